@@ -1,0 +1,144 @@
+"""The Llama family: Llama 2/3/3.1, Mistral, SmolLM2; Qwen2 and Qwen3 differ only in biases
+and q/k norm, declared by their config hooks below.
+
+A pre-norm decoder over a packed batch of T tokens from many sequences:
+
+    h = embed(input_ids)                                  # [T, H]
+    for each layer:
+        x, h = add_rms_norm(attn_out, h)                  # residual stream kept in h
+        attn_out = o_proj(paged_attention(rotary(qkv_proj(x))))
+        x, h = add_rms_norm(attn_out, h)
+        mlp_out = down_proj(silu_and_mul(gate_up_proj(x)))
+    hidden = rms_norm(mlp_out + h)                        # [T, H]
+    logits = hidden[sampled rows] @ lm_head^T             # [S, V], computed by compute_logits
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from models.config import ModelConfig, config_from_hf
+from models.errors import UnsupportedModelError
+from models.layers import (
+    Attention,
+    AttentionMetadata,
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(
+        self,
+        positions: Tensor,
+        hidden: Tensor,
+        residual: Tensor | None,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary_emb) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [T, H]
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that land in one fused parameter: checked by the loader.
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        bias = bool(getattr(hf, "attention_bias", False))
+        return config_from_hf(
+            hf, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf, "mlp_bias", False))
+        )
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        # Parameter names mirror the HF checkpoint (model.layers.N..., lm_head) so that loading
+        # is a lookup plus the packed_modules table.
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [S, H] of the rows that sample -> logits [S, V]."""
+        lm_head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return hidden @ lm_head.weight.t()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        if getattr(hf, "use_sliding_window", False):
+            raise UnsupportedModelError(
+                "Qwen2 with use_sliding_window=true is not supported; set it to false"
+            )
+        # Qwen2 puts biases on q/k/v only, never on o_proj.
+        return config_from_hf(hf, qkv_bias=True, o_bias=False, sliding_window=None)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        if getattr(hf, "use_sliding_window", False):
+            raise UnsupportedModelError(
+                "Qwen3 with use_sliding_window=true is not supported; set it to false"
+            )
+        bias = bool(getattr(hf, "attention_bias", False))
+        return config_from_hf(hf, qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=None)

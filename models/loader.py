@@ -1,0 +1,204 @@
+"""Load a model from an HF directory, a GGUF file or an alias.
+
+The model is built on the meta device, given real storage once (`to_empty`), and every
+parameter is filled from the checkpoint through one declared mapping: checkpoint projection
+names that the model fuses (q/k/v -> qkv_proj, gate/up -> gate_up_proj) come from the model's
+`packed_modules` table, everything else maps by name. A tensor that is missing, unexpected,
+mis-shaped or half of a fused group is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig, resolve_dtype
+from models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from models.layers import FusedLinear
+from models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Checkpoint entries that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """Where a model comes from: an HF directory or a GGUF file."""
+
+    path: Path
+    kind: str  # "hf" | "gguf"
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+
+def resolve_source(model: str | Path) -> ModelSource:
+    from models import gguf
+
+    alias = gguf.resolve_alias(str(model))
+    if alias is not None:
+        return ModelSource(alias, "gguf")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, "gguf")
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path, "hf")
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        raise UnsupportedModelError(_pickle_message(path))
+    raise ModelNotFoundError(
+        f"{model!s} is not an HF model directory (with config.json), a .gguf file or a known "
+        f"alias ({gguf.SMOLLM2_ALIAS}); models are never downloaded from a hub"
+    )
+
+
+def _pickle_message(path: Path) -> str:
+    return (
+        f"{path} is a pickle checkpoint, which can run arbitrary code and is never loaded; "
+        "convert it to safetensors (e.g. save_pretrained(..., safe_serialization=True))"
+    )
+
+
+def read_hf_config(directory: Path):
+    """The transformers config of an HF directory, refusing unknown architectures and remote
+    code before transformers sees them."""
+    import transformers
+
+    raw = json.loads((directory / "config.json").read_text())
+    cls = model_class(raw.get("architectures"))  # raises for anything unsupported
+    del cls
+    return transformers.AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise UnsupportedModelError(_pickle_message(pickles[0]))
+    raise CheckpointError(f"{directory} has no *.safetensors weights")
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of `model` from (checkpoint name, tensor) pairs."""
+    shard_to_fused = {
+        shard: fused for fused, shards in model.packed_modules.items() for shard in shards
+    }
+    owners: dict[str, nn.Module] = {}
+    expected: dict[tuple[str, str | None], str] = {}  # (param, shard) -> checkpoint name
+    for module_name, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            owners[full] = module
+            if isinstance(module, FusedLinear):
+                parent = module_name.rpartition(".")[0]
+                for shard in module.shards:
+                    expected[(full, shard)] = f"{parent}.{shard}.{pname}".lstrip(".")
+            else:
+                expected[(full, None)] = full
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[tuple[str, str | None]] = set()
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        parts = name.split(".")
+        shard = next((p for p in parts if p in shard_to_fused), None)
+        target = (
+            name
+            if shard is None
+            else ".".join(shard_to_fused[p] if p == shard else p for p in parts)
+        )
+        if target not in params:
+            raise CheckpointError(
+                f"unexpected tensor {name} in the checkpoint: {model.config.architecture} has "
+                "no parameter for it (is the config right for these weights?)"
+            )
+        owners[target].load_shard(params[target], tensor, shard, name)
+        loaded.add((target, shard))
+    missing = [ckpt for key, ckpt in expected.items() if key not in loaded]
+    if missing:
+        shown = ", ".join(missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        )
+        raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    hf_config: object
+    source: ModelSource
+    dtype: torch.dtype
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int | None = None,
+) -> nn.Module:
+    """Construct on the meta device, then give real (uninitialised) storage on `device`."""
+    cls = model_class([config.architecture])
+    with torch.device("meta"):
+        model = cls(config, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers()
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    model: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    source = resolve_source(model)
+    if source.kind == "gguf":
+        from models.gguf import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(source.path)
+        hf_config = checkpoint.hf_config()
+        config = model_class(hf_config.architectures).config_from_hf(hf_config)
+        torch_dtype = resolve_dtype(dtype, config)
+        tensors = checkpoint.tensors(torch.float32)
+    else:
+        hf_config = read_hf_config(source.path)
+        config = model_class(hf_config.architectures).config_from_hf(hf_config)
+        torch_dtype = resolve_dtype(dtype, config)
+        tensors = _iter_safetensors(_safetensors_files(source.path))
+    max_positions = max(max_model_len or 0, config.max_position_embeddings)
+    net = build_model(config, torch_dtype, device, max_positions)
+    load_weights(net, tensors)
+    return LoadedModel(net, config, hf_config, source, torch_dtype)

@@ -1,0 +1,25 @@
+"""config.json `architectures` -> model class. Anything else is a clear error."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from models.errors import UnsupportedModelError
+from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architectures: list[str] | None) -> type[nn.Module]:
+    for arch in architectures or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise UnsupportedModelError(
+        f"architecture {architectures or 'missing'} is not supported; "
+        f"supported: {', '.join(sorted(ARCHITECTURES))}"
+    )

@@ -1,0 +1,85 @@
+"""What a user asks of one generation. Plain Python: the scheduler and server import it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range; the message names it and the allowed range."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Mirrors vLLM's SamplingParams for the fields this engine supports.
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k. max_tokens None means "until
+    max_model_len". Logprobs are those of the model's distribution (before penalties and
+    temperature), the chosen token's plus the `logprobs` most likely ones.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        def bad(name: str, rule: str) -> InvalidSamplingParams:
+            return InvalidSamplingParams(f"{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be a non-negative integer (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", "must be an integer >= 1, or None for up to max_model_len")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise bad("min_tokens", "must be >= 0 and <= max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "must be in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
