@@ -24,6 +24,8 @@ import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from models.errors import ModelNotFoundError, UnsupportedModelError
+
 SMOLLM2_ALIAS = "smollm2-135m"
 
 # alias -> (python package that ships the file, file name, pip requirement)
@@ -55,14 +57,6 @@ _LLAMA_GLOBAL_TENSORS: dict[str, str] = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 _MISSING: Any = object()
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model alias points at a file that is not installed."""
-
-
-class UnsupportedModelError(ValueError):
-    """The GGUF file holds an architecture, tensor or feature this engine cannot load."""
 
 
 def resolve_alias(name: str) -> pathlib.Path | None:

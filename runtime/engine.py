@@ -1,0 +1,321 @@
+"""The engine loop: scheduler -> runner -> scheduler update -> detokenize, once per step.
+
+`LLMEngine.step()` is the whole serving loop body; `LLM` (runtime/llm.py) drives it to
+completion for offline use and the server drives it from a background task.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models.config import ModelConfig
+from models.loader import LoadedModel, load_model
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model_runner import ModelRunner, TokenLogprobs, default_num_blocks
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+
+log = logging.getLogger(__name__)
+
+TARGETS = {"cpu": "cpu", "h100": "cuda"}
+
+
+class EngineConfigError(ValueError):
+    """An engine setting is invalid; the message names it and what is allowed."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    target: str | None = None  # cpu | h100; None picks h100 when CUDA is present
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            self.target = "h100" if torch.cuda.is_available() else "cpu"
+        if self.target not in TARGETS:
+            raise EngineConfigError(
+                f"target {self.target!r} is not supported; use one of {', '.join(TARGETS)}"
+            )
+        if TARGETS[self.target] == "cuda" and not torch.cuda.is_available():
+            raise EngineConfigError(f"target {self.target} needs a CUDA device; use --target cpu")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(TARGETS[self.target])
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    # What this step added, for streaming.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Engine-side state of one sibling: its scheduler request and its text."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[TokenLogprobs] | None
+    delta_text: str = ""
+    delta_tokens: list[int] = field(default_factory=list)
+    finished_seen: bool = False
+
+
+@dataclass(slots=True)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = config.device
+        t0 = time.perf_counter()
+        if loaded is None:
+            loaded = load_model(
+                config.model, dtype=config.dtype, device=device, max_model_len=config.max_model_len
+            )
+        self.loaded = loaded
+        self.model_config: ModelConfig = loaded.config
+        self.max_model_len = self._max_model_len(loaded.config, config.max_model_len)
+        self.tokenizer = load_tokenizer(loaded)
+        num_blocks = config.num_kv_blocks or default_num_blocks(
+            loaded, config.block_size, device, self.max_model_len * min(config.max_num_seqs, 64)
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_waiting=config.max_waiting,
+            )
+        )
+        self.runner = ModelRunner(
+            loaded, block_size=config.block_size, num_blocks=num_blocks, device=device,
+            seed=config.seed,
+        )
+        eos = loaded.config.eos_token_ids
+        self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
+        self.groups: dict[str, _Group] = {}
+        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
+        self._counter = 0
+        log.info(
+            "engine ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d",
+            time.perf_counter() - t0, loaded.config.architecture, num_blocks,
+            config.block_size, self.max_model_len,
+        )
+
+    @staticmethod
+    def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None and cfg.sliding_window < limit:
+            # The reference attention is full attention; within the window the two agree.
+            log.info("max_model_len capped at the sliding window, %d", cfg.sliding_window)
+            limit = cfg.sliding_window
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise EngineConfigError(
+                f"max_model_len={requested} exceeds what the model supports ({limit})"
+            )
+        return requested
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter)
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request (n siblings for n > 1). Raises the scheduler's typed errors
+        (RequestTooLong, QueueFull, DuplicateRequest) without queuing anything."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        text, token_ids = self.tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        now = time.monotonic()
+        sequences = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(
+                request_id=rid,
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                eos_token_id=self.eos_token_id,
+                arrival_time=now,
+                cache_salt=cache_salt,
+                group_id=request_id if params.n > 1 else None,
+                sibling_index=i,
+            )
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+            logprobs = [] if params.logprobs is not None else None
+            sequences.append(_Sequence(request, detok, logprobs))
+        added = []
+        try:
+            for seq in sequences:
+                self.scheduler.add_request(seq.request)
+                added.append(seq.request.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        group = _Group(request_id, text, token_ids, sequences, now)
+        self.groups[request_id] = group
+        for seq in sequences:
+            self._seq_of[seq.request.request_id] = (group, seq)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        ids = [s.request.request_id for s in group.sequences]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self._seq_of.pop(rid, None)
+            self.runner.release(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of every request that changed."""
+        step = self.scheduler.schedule()
+        result = self.runner.execute(step)
+        self.scheduler.update_from_output(step, result.sampled)
+        changed: dict[str, _Group] = {}
+        for rid, token in result.sampled.items():
+            entry = self._seq_of.get(rid)
+            if entry is None:
+                continue
+            group, seq = entry
+            changed[group.request_id] = group
+            seq.delta_tokens.append(token)
+            if seq.logprobs is not None and rid in result.logprobs:
+                seq.logprobs.append(result.logprobs[rid])
+            if seq.detokenizer is not None:
+                seq.delta_text += seq.detokenizer.update([token])
+                if seq.detokenizer.stopped and not seq.request.is_finished:
+                    self.scheduler.finish_requests(
+                        rid, RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
+                    )
+        for item in step.scheduled:
+            # Requests finished by the scheduler this step (eos, length) flush held-back text.
+            entry = self._seq_of.get(item.request.request_id)
+            if entry is not None and item.request.is_finished:
+                changed[entry[0].request_id] = entry[0]
+        return [self._emit(group) for group in changed.values()]
+
+    def _emit(self, group: _Group) -> RequestOutput:
+        outputs = []
+        for i, seq in enumerate(group.sequences):
+            request = seq.request
+            if request.is_finished and not seq.finished_seen:
+                seq.finished_seen = True
+                self.runner.release(request.request_id)
+                if seq.detokenizer is not None and not seq.detokenizer.stopped:
+                    seq.delta_text += seq.detokenizer.flush()
+            text = seq.detokenizer.text if seq.detokenizer is not None else ""
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(request.output_token_ids),
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    delta_text=seq.delta_text,
+                    delta_token_ids=seq.delta_tokens,
+                )
+            )
+            seq.delta_text, seq.delta_tokens = "", []
+        finished = group.finished
+        if finished:
+            self.groups.pop(group.request_id, None)
+            for seq in group.sequences:
+                self._seq_of.pop(seq.request.request_id, None)
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, outputs, finished
+        )
+
+
+def load_tokenizer(loaded: LoadedModel):
+    """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
+    if loaded.source.kind == "gguf":
+        from models.gguf import GGUFCheckpoint
+
+        return GGUFCheckpoint(loaded.source.path).tokenizer()
+    directory = loaded.source.path
+    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(directory))

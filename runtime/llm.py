@@ -1,0 +1,93 @@
+"""The offline API, mirroring vLLM's: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        target: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            target=target,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            seed=seed,
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        engine = self.engine
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = engine.next_request_id()
+            engine.add_request(rid, prompt, p)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[rid] for rid in ids]
+
+    def apply_chat_template(self, messages: Messages) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)

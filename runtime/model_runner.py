@@ -1,0 +1,168 @@
+"""Turns a scheduler step into a packed batch, runs the model, samples.
+
+The runner owns the KV cache tensors and every device buffer. The model is called through
+`self.forward`, which the compiler can replace with compiled pieces or CUDA-graph replay; the
+inputs it receives are always the same shapes of the same persistent buffers' prefixes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from models.layers import AttentionMetadata
+from models.loader import LoadedModel
+from runtime.sampler import Sampler, SamplingBatch
+from runtime.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+# CPU default KV budget, as vLLM's CPU backend: enough for long contexts, small enough for a
+# laptop. Override with num_kv_blocks.
+CPU_KV_BYTES = 4 << 30
+GPU_MEMORY_UTILIZATION = 0.90
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The model's log-probabilities at one generated position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # most likely first
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> new token, for requests that sampled
+    logprobs: dict[str, TokenLogprobs]  # for those that asked
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    cfg = loaded.config
+    element = torch.empty((), dtype=loaded.dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+
+def default_num_blocks(
+    loaded: LoadedModel, block_size: int, device: torch.device, needed_tokens: int
+) -> int:
+    """Size the pool from memory: all of it that is useful, within the device's budget."""
+    per_block = kv_bytes_per_block(loaded, block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Leave room for activations and the allocator's fragmentation beyond weights.
+        budget = free - (1 - GPU_MEMORY_UTILIZATION) * total
+    else:
+        budget = CPU_KV_BYTES
+    useful = -(-needed_tokens // block_size) + 1
+    return max(2, min(int(budget // per_block), useful))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
+        cfg = loaded.config
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
+        ]
+        self.forward = self.model.forward
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        # Unseeded rows draw from one engine-wide generator, seeded once for reproducible runs.
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = list(cfg.eos_token_ids)
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed + request.sibling_index)
+            self.generators[request.request_id] = gen
+        return gen
+
+    def prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for item in step.scheduled:
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            table = item.block_ids
+            ids += item.new_token_ids
+            positions += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            starts.append(starts[-1] + n)
+            seq_lens.append(start + n)
+            if item.samples:
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(item.block_ids) for item in step.scheduled)
+        tables = torch.zeros(len(step.scheduled), width, dtype=torch.int32)
+        for row, item in enumerate(step.scheduled):
+            tables[row, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        return input_ids, pos, meta, rows
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if not step.scheduled:
+            return RunnerOutput({}, {})
+        input_ids, positions, meta, rows = self.prepare(step)
+        hidden = self.forward(input_ids, positions, self.kv_caches, meta)
+        sampling = [item.request for item in step.scheduled if item.samples]
+        if not sampling:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[rows])
+        batch = SamplingBatch.build(
+            [r.sampling_params for r in sampling],
+            [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling],
+            [self._generator(r) for r in sampling],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+        out = self.sampler(logits, batch)
+        tokens = out.token_ids.tolist()  # the step's one device-to-host sync
+        sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if out.logprobs is not None:
+            chosen = out.logprobs.tolist()
+            top_ids, top_vals = out.top_logprob_ids.tolist(), out.top_logprobs.tolist()
+            for i, r in enumerate(sampling):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    continue
+                top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
+                logprobs[r.request_id] = TokenLogprobs(tokens[i], chosen[i], top)
+        return RunnerOutput(sampled, logprobs)
