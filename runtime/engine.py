@@ -138,7 +138,10 @@ class LLMEngine:
             )
         )
         self.runner = ModelRunner(
-            loaded, block_size=config.block_size, num_blocks=num_blocks, device=device,
+            loaded,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            device=device,
             seed=config.seed,
         )
         eos = loaded.config.eos_token_ids
@@ -148,8 +151,11 @@ class LLMEngine:
         self._counter = 0
         log.info(
             "engine ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d",
-            time.perf_counter() - t0, loaded.config.architecture, num_blocks,
-            config.block_size, self.max_model_len,
+            time.perf_counter() - t0,
+            loaded.config.architecture,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
         )
 
     @staticmethod

@@ -99,7 +99,9 @@ class ModelRunner:
             self.generators[request.request_id] = gen
         return gen
 
-    def prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(
+        self, step: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

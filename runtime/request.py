@@ -1,0 +1,107 @@
+"""One generation request as the scheduler sees it. Plain Python: no torch.
+
+A request is a token list that grows. `num_computed_tokens` counts the tokens whose KV is in the
+cache; the scheduler's only job is to make it chase `num_tokens` (STYLE #8). A prefill chunk, a
+prefix-cache hit, a decode step and a recompute after preemption are all just "advance
+num_computed_tokens".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    # Back in the waiting queue after preemption by recompute: its blocks were freed and
+    # num_computed_tokens reset, but the tokens it already generated are kept.
+    PREEMPTED = 2
+    # Everything from here on is finished; `is_finished` relies on this ordering.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_REJECTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI `finish_reason` string, or None while the request is not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """The one request object shared by the engine, scheduler and KV cache manager.
+
+    `all_token_ids` is the single growing list (prompt then outputs) that the hot path slices;
+    `output_token_ids` is kept beside it so that detokenizing never copies the prompt. Both are
+    appended to only through `append_output_token`.
+
+    n > 1 arrives as n sibling requests with one `group_id`; sibling 0 computes the shared
+    prompt and the others fork its KV blocks (see Scheduler).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    group_id: str | None = None
+    sibling_index: int = 0
+    # Resolved by the scheduler on admission (None in SamplingParams means "up to max_model_len").
+    max_tokens: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    # The stop token id (stop_token_ids), the stop string (found by the engine), or None.
+    stop_reason: int | str | None = None
+    output_token_ids: list[int] = field(init=False)
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = []
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.max_tokens is None:
+            self.max_tokens = self.sampling_params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

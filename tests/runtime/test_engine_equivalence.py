@@ -1,0 +1,122 @@
+"""Engine greedy tokens equal HF greedy tokens (float32, CPU): a batch of mixed-length
+prompts under default settings, chunked prefill (budget 16), preemption, prefix caching and
+n=2, for every tiny architecture and for the real SmolLM2."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import TINY_ARCHS, make_tiny_model
+
+from runtime import LLM, SamplingParams
+
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    """HF's own argmax, step by step over the whole sequence (no cache: the plainest oracle)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf_model(torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def mixed_prompts(vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    lengths = [1, 5, 17, 33, 8, 24, 2]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+SCENARIOS = {
+    "default": dict(),
+    "chunked-budget-16": dict(max_num_batched_tokens=16),
+    "preemption": dict(block_size=4, num_kv_blocks=22, max_num_batched_tokens=64),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_ARCHS))
+def tiny(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model = make_tiny_model(request.param, directory)
+    return directory, hf_model
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_greedy_equals_hf(tiny, scenario):
+    directory, hf_model = tiny
+    llm = LLM(str(directory), dtype="float32", target="cpu", **SCENARIOS[scenario])
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=1)
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS), (
+            f"prompt of {len(prompt)} tokens diverges from HF under {scenario}"
+        )
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.engine.stats()
+    if scenario == "preemption":
+        assert stats.num_preemptions_total > 0, "the small pool should have forced preemption"
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.kv_cache_usage == 0.0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_prefix_cache_hits_keep_greedy_exact(tiny):
+    directory, hf_model = tiny
+    llm = LLM(str(directory), dtype="float32", target="cpu", block_size=4)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=2, shared_prefix=13)
+    llm.generate(prompts[:1], GREEDY)  # warms the cache with the shared prefix
+    before = llm.engine.stats().prefix_cache_hits
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats().prefix_cache_hits - before >= 12 * (len(prompts) - 1)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
+
+
+def test_n2_greedy_equals_n1(tiny):
+    directory, hf_model = tiny
+    llm = LLM(str(directory), dtype="float32", target="cpu", block_size=4)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=3)
+    n1 = llm.generate(prompts, GREEDY)
+    n2_params = SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    n2 = llm.generate(prompts, n2_params)
+    for a, b in zip(n1, n2, strict=True):
+        assert len(b.outputs) == 2
+        assert b.outputs[0].token_ids == b.outputs[1].token_ids == a.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_smollm2_batch_matches_hf(smollm2_llm, smollm2_hf, smollm2_tokenizer):
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away, there lived a",
+        "1, 2, 3, 4,",
+        "Water boils at",
+        "The three primary colors are red,",
+    ]
+    prompts = [smollm2_tokenizer.encode(t) for t in texts]
+    engine = smollm2_llm.engine
+    budget = engine.scheduler.config.max_num_batched_tokens
+    engine.scheduler.config.max_num_batched_tokens = 16  # chunked prefill across steps
+    try:
+        outs = smollm2_llm.generate(prompts, GREEDY)
+    finally:
+        engine.scheduler.config.max_num_batched_tokens = budget
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_names_paris(smollm2_llm):
+    out = smollm2_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+    )
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
