@@ -1,0 +1,443 @@
+"""Scheduler: focused cases, then a hypothesis state machine driving it like an engine would.
+
+The machine plays the model runner: it checks every scheduled chunk against a shadow of what each
+KV block slot would hold (the salt and token prefix that wrote it), feeds back random sampled
+tokens (sometimes eos), aborts at random, and finally drains everything.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import (
+    DuplicateRequest,
+    InvalidSchedulerConfig,
+    QueueFull,
+    RequestTooLong,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+EOS = 0
+
+
+def make_request(
+    rid: str,
+    prompt: list[int],
+    max_tokens: int | None = 16,
+    *,
+    salt: str | None = None,
+    group: str | None = None,
+    sibling: int = 0,
+    **params: object,
+) -> Request:
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_id=EOS,
+        cache_salt=salt,
+        group_id=group,
+        sibling_index=sibling,
+    )
+
+
+def make_scheduler(**overrides: object) -> Scheduler:
+    fields: dict[str, object] = dict(
+        max_model_len=256, block_size=16, num_blocks=64, max_num_batched_tokens=2048
+    )
+    fields.update(overrides)
+    return Scheduler(SchedulerConfig(**fields))
+
+
+def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+    out = sched.schedule()
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    finished = sched.update_from_output(out, sampled)
+    sched.check_integrity()
+    return out, finished
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[Request]:
+    finished: list[Request] = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return finished
+        finished += step(sched)[1]
+    raise AssertionError("scheduler made no progress")
+
+
+def test_imports_no_torch() -> None:
+    code = "import runtime.scheduler, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(InvalidSchedulerConfig, match="num_blocks=1"):
+        SchedulerConfig(max_model_len=16, block_size=16, num_blocks=1)
+    with pytest.raises(InvalidSchedulerConfig, match="max_num_seqs"):
+        SchedulerConfig(max_model_len=16, block_size=16, num_blocks=8, max_num_seqs=0)
+
+
+def test_chunked_prefill_splits_by_budget_and_samples_on_the_last_chunk() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16)
+    sched.add_request(make_request("a", list(range(1, 41)), max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        out, _ = step(sched)
+        (item,) = out.scheduled
+        chunks.append((item.num_computed_tokens, item.num_new_tokens, item.samples))
+        assert item.new_token_ids == list(range(1, 41))[item.num_computed_tokens :][:16]
+        assert len(item.block_ids) * 16 >= item.num_computed_tokens + item.num_new_tokens
+    assert chunks == [(0, 16, False), (16, 16, False), (32, 8, True)]
+    out, finished = step(sched)
+    assert (out.scheduled[0].num_new_tokens, out.scheduled[0].new_token_ids) == (1, [7])
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].output_token_ids == [7, 7]
+    assert finished[0].finish_reason == "length"
+
+
+def test_budget_is_shared_running_first_then_waiting_fcfs() -> None:
+    sched = make_scheduler(max_num_batched_tokens=20)
+    sched.add_request(make_request("a", [1] * 12))
+    sched.add_request(make_request("b", [2] * 12))
+    sched.add_request(make_request("c", [3] * 12))
+    out, _ = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 12),
+        ("b", 8),
+    ]
+    out, _ = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 1),
+        ("b", 4),
+        ("c", 12),
+    ]
+    assert out.num_batched_tokens == 17
+
+
+def test_max_num_seqs_caps_the_batch() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        sched.add_request(make_request(rid, [1, 2, 3]))
+    out, _ = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert sched.stats().num_waiting == 1
+
+
+def test_too_long_is_rejected_with_the_numbers() -> None:
+    sched = make_scheduler(max_model_len=100)
+    with pytest.raises(RequestTooLong, match=r"90 prompt tokens.*max_tokens=20.*<= 10"):
+        sched.add_request(make_request("a", [1] * 90, max_tokens=20))
+    with pytest.raises(RequestTooLong, match="leaves no room"):
+        sched.add_request(make_request("b", [1] * 100, max_tokens=None))
+    small = make_scheduler(max_model_len=1000, num_blocks=5)  # 4 usable blocks: 64 tokens
+    with pytest.raises(RequestTooLong, match="needs 5 KV blocks.*only 4 usable"):
+        small.add_request(make_request("c", [1] * 60, max_tokens=10))
+    small.add_request(make_request("d", [1] * 60, max_tokens=5))  # 64 slots: fits exactly
+    assert not sched.has_unfinished_requests()
+
+
+def test_max_tokens_none_fills_up_to_max_model_len() -> None:
+    sched = make_scheduler(max_model_len=20)
+    sched.add_request(make_request("a", [1] * 15, max_tokens=None))
+    (done,) = run_to_completion(sched)
+    assert done.num_tokens == 20 and done.finish_reason == "length"
+
+
+def test_bounded_waiting_queue_and_duplicate_ids() -> None:
+    sched = make_scheduler(max_waiting=1)
+    sched.add_request(make_request("a", [1]))
+    with pytest.raises(DuplicateRequest):
+        sched.add_request(make_request("a", [1]))
+    with pytest.raises(QueueFull, match="max_waiting=1"):
+        sched.add_request(make_request("b", [1]))
+    step(sched)  # admits a: the queue has room again
+    sched.add_request(make_request("b", [1]))
+
+
+def test_stop_conditions() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("eos", [5]))
+    sched.add_request(make_request("ignore", [5], max_tokens=3, ignore_eos=True))
+    sched.add_request(make_request("min", [5], min_tokens=2))
+    sched.add_request(make_request("stopid", [5], stop_token_ids=[9]))
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"eos": EOS, "ignore": EOS, "min": EOS, "stopid": 9})
+    assert {r.request_id: (r.finish_reason, r.stop_reason) for r in finished} == {
+        "eos": ("stop", None),
+        "stopid": ("stop", 9),
+    }
+    out = sched.schedule()
+    assert sched.update_from_output(out, {"ignore": EOS, "min": EOS}) == []
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"ignore": EOS, "min": EOS})
+    assert {r.request_id: r.finish_reason for r in finished} == {"ignore": "length", "min": "stop"}
+    assert [len(r.output_token_ids) for r in finished] == [3, 3]
+    assert not sched.has_unfinished_requests()
+    sched.check_integrity()
+
+
+def test_finish_requests_aborts_and_ignores_unknown_ids() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("a", [1] * 20))
+    sched.add_request(make_request("b", [1] * 20))
+    out = sched.schedule()
+    done = sched.finish_requests(["a", "nope"])
+    assert [r.finish_reason for r in done] == ["abort"]
+    assert sched.finish_requests("a") == []
+    # A request aborted while its step ran is skipped when the step's output comes back.
+    assert [r.request_id for r in sched.update_from_output(out, {"a": 3, "b": 3})] == []
+    (stopped,) = sched.finish_requests("b", RequestStatus.FINISHED_STOPPED, stop_reason="\n\n")
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", "\n\n")
+    assert sched.stats().kv_cache_usage == 0.0 and not sched.has_unfinished_requests()
+    with pytest.raises(ValueError, match="finished status"):
+        sched.finish_requests("b", RequestStatus.RUNNING)
+
+
+def test_preemption_by_recompute_in_a_small_pool() -> None:
+    # 6 usable blocks of 4 = 24 slots; two requests that each grow to 16 tokens cannot coexist.
+    sched = make_scheduler(max_model_len=32, block_size=4, num_blocks=7, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", [1] * 6, max_tokens=10))
+    sched.add_request(make_request("b", [2] * 6, max_tokens=10))
+    finished: list[Request] = []
+    preempted: list[str] = []
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out, done = step(sched)
+        preempted += out.preempted_ids
+        finished += done
+    assert preempted == ["b"] * len(preempted) and preempted
+    assert sched.stats().num_preemptions_total == len(preempted)
+    assert {r.request_id: len(r.output_token_ids) for r in finished} == {"a": 10, "b": 10}
+    b = next(r for r in finished if r.request_id == "b")
+    assert b.num_preemptions == len(preempted)
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_preempted_request_resumes_at_the_front_and_recomputes_its_outputs() -> None:
+    sched = make_scheduler(max_model_len=32, block_size=4, num_blocks=7, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", [1] * 6, max_tokens=10))
+    sched.add_request(make_request("b", [2] * 6, max_tokens=10))
+    while True:
+        out, _ = step(sched)
+        if out.preempted_ids:
+            break
+    b = sched.requests["b"]
+    assert b.status is RequestStatus.PREEMPTED and sched.waiting[0] is b
+    generated = b.num_output_tokens
+    sched.add_request(make_request("c", [3]))
+    while b.status is not RequestStatus.RUNNING:
+        out, _ = step(sched)
+    (item,) = [s for s in out.scheduled if s.request is b]
+    # Prompt and outputs so far are fed again (minus what the prefix cache still holds).
+    assert item.num_computed_tokens + item.num_new_tokens == 6 + generated
+    assert item.new_token_ids == ([2] * 6 + [7] * generated)[item.num_computed_tokens :]
+
+
+def test_prefix_hit_is_counted_for_a_shared_two_block_prefix() -> None:
+    sched = make_scheduler()
+    shared = list(range(100, 132))  # two blocks of 16
+    sched.add_request(make_request("a", shared + [1, 2, 3], max_tokens=1))
+    run_to_completion(sched)
+    sched.add_request(make_request("b", shared + [4, 5], max_tokens=1))
+    out, _ = step(sched)
+    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (32, 2)
+    stats = sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (35 + 34, 32)
+    # A different tenant gets nothing.
+    sched.add_request(make_request("c", shared + [4, 5], max_tokens=1, salt="other"))
+    out, _ = step(sched)
+    assert out.scheduled[0].num_computed_tokens == 0
+
+
+def test_siblings_wait_for_the_leader_then_share_its_prompt_blocks() -> None:
+    for caching in (True, False):
+        sched = make_scheduler(max_num_batched_tokens=16, enable_prefix_caching=caching)
+        prompt = list(range(1, 41))
+        for i in range(3):
+            sched.add_request(make_request(f"g{i}", prompt, 4, group="g", sibling=i, seed=i))
+        sched.add_request(make_request("other", [9, 9, 9]))
+        out, _ = step(sched)
+        # The siblings do not block an unrelated request behind them.
+        assert [s.request.request_id for s in out.scheduled] == ["g0"]
+        out, _ = step(sched)
+        assert [s.request.request_id for s in out.scheduled] == ["g0"]
+        out, _ = step(sched)  # g0 finishes its prompt; "other" takes the rest of the budget
+        assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+            ("g0", 8),
+            ("other", 3),
+        ]
+        out, _ = step(sched)
+        assert [
+            (s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled
+        ] == [("g0", 40, 1), ("other", 3, 1), ("g1", 32, 8), ("g2", 32, 6)]
+        tables = [sched.kv.get_block_ids(f"g{i}") for i in range(3)]
+        assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+        assert len({t[2] for t in tables}) == 3
+        run_to_completion(sched)
+        assert sched.kv.num_free_blocks == 63
+
+
+def test_siblings_admit_normally_when_the_leader_is_gone() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16)
+    prompt = list(range(1, 41))
+    for i in range(2):
+        sched.add_request(make_request(f"g{i}", prompt, 4, group="g", sibling=i))
+    step(sched)
+    sched.finish_requests("g0")
+    out, _ = step(sched)
+    assert [(s.request.request_id, s.num_computed_tokens) for s in out.scheduled] == [("g1", 16)]
+
+
+# -- state machine --------------------------------------------------------------------------
+
+BLOCK_SIZE = 4
+CONFIG = SchedulerConfig(
+    max_model_len=48,
+    block_size=BLOCK_SIZE,
+    num_blocks=16,  # 15 usable: 60 slots, so long requests preempt one another
+    max_num_seqs=4,
+    max_num_batched_tokens=12,
+)
+PROMPTS = st.builds(
+    lambda head, tail: head + tail,
+    st.sampled_from([[], [1] * 8, [1, 2] * 5]),
+    st.lists(st.integers(1, 2), min_size=1, max_size=22),
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched = Scheduler(CONFIG)
+        self.added: set[str] = set()
+        self.reported: set[str] = set()
+        # (block, slot) -> (salt, token prefix) of the request that last wrote it.
+        self.slots: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
+        self.count = 0
+
+    def _report(self, finished: list[Request]) -> None:
+        for request in finished:
+            assert request.is_finished
+            assert request.request_id not in self.reported, f"{request.request_id} finished twice"
+            self.reported.add(request.request_id)
+
+    @rule(
+        prompt=PROMPTS,
+        max_tokens=st.integers(1, 30),
+        salt=st.sampled_from([None, "t2"]),
+        n=st.integers(1, 3),
+        min_tokens=st.integers(0, 2),
+    )
+    def add(self, prompt: list[int], max_tokens: int, salt: str | None, n: int, min_tokens: int):
+        self.count += 1
+        group = f"q{self.count:04d}" if n > 1 else None
+        for i in range(n):
+            rid = f"q{self.count:04d}-{i}"
+            min_tokens = min(min_tokens, max_tokens)
+            request = make_request(
+                rid, prompt, max_tokens, salt=salt, group=group, sibling=i, min_tokens=min_tokens
+            )
+            if len(prompt) + max_tokens > CONFIG.max_model_len:
+                with pytest.raises(RequestTooLong):
+                    self.sched.add_request(request)
+                return
+            self.sched.add_request(request)
+            self.added.add(rid)
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        running_before = {r.request_id for r in self.sched.running}
+        out = self.sched.schedule()
+        if out.preempted_ids:
+            # No admissions in a step that preempted: the victim would just thrash back in.
+            assert {s.request.request_id for s in out.scheduled} <= running_before
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens <= CONFIG.max_num_batched_tokens
+        assert len(out.scheduled) <= CONFIG.max_num_seqs
+        assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+        if out.preempted_ids:
+            event("preempted")
+        sampled = {}
+        for s in out.scheduled:
+            self._run_model(s.request, s.num_computed_tokens, s.num_new_tokens, s.block_ids)
+            assert (
+                s.new_token_ids
+                == s.request.all_token_ids[s.num_computed_tokens :][: s.num_new_tokens]
+            )
+            assert s.samples == (s.num_computed_tokens + s.num_new_tokens == s.request.num_tokens)
+            if s.samples:
+                sampled[s.request.request_id] = data.draw(
+                    st.sampled_from([EOS, 1, 2, 2]), label="token"
+                )
+            if s.num_computed_tokens and s.request.num_output_tokens == 0:
+                event("started part-way (prefix hit or fork)")
+        self._report(self.sched.update_from_output(out, sampled))
+
+    def _run_model(self, request: Request, start: int, num_new: int, block_ids: list[int]):
+        """Check the chunk reads only KV of its own salt and prefix, then 'write' its own."""
+        assert len(block_ids) * BLOCK_SIZE >= start + num_new
+        salt, tokens = request.cache_salt, request.all_token_ids
+        for pos in range(start):
+            held = self.slots.get((block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE))
+            assert held == (salt, tuple(tokens[: pos + 1])), f"{request.request_id} reads {pos}"
+        for pos in range(start, start + num_new):
+            block = block_ids[pos // BLOCK_SIZE]
+            assert self.sched.kv.pool.blocks[block].ref_cnt == 1, "writes a shared block"
+            self.slots[(block, pos % BLOCK_SIZE)] = (salt, tuple(tokens[: pos + 1]))
+
+    @precondition(lambda self: self.added - self.reported)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.added - self.reported) + ["unknown"]))
+        self._report(self.sched.finish_requests([rid]))
+
+    @invariant()
+    def integrity(self) -> None:
+        self.sched.check_integrity()
+
+    @invariant()
+    def no_request_lost(self) -> None:
+        assert set(self.sched.requests) == self.added - self.reported
+        stats = self.sched.stats()
+        assert stats.num_running + stats.num_waiting == len(self.added - self.reported)
+
+    def teardown(self) -> None:
+        for _ in range(2000):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step(_FixedTokens())
+        assert not self.sched.has_unfinished_requests(), "requests never finished"
+        assert self.reported == self.added
+        self.sched.check_integrity()
+        assert self.sched.kv.num_free_blocks == CONFIG.num_blocks - 1, "blocks leaked"
+
+
+class _FixedTokens:
+    """Stands in for st.data() while draining in teardown: every sampled token is 2."""
+
+    def draw(self, strategy: object, label: str | None = None) -> int:
+        return 2
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=75,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSchedulerMachine = SchedulerMachine.TestCase
