@@ -55,6 +55,12 @@ def resolve_source(model: str | Path) -> ModelSource:
         return ModelSource(path, "hf")
     if path.is_file() and path.suffix in PICKLE_SUFFIXES:
         raise UnsupportedModelError(_pickle_message(path))
+    if path.is_dir():
+        # A directory of pickle weights without config.json: the format is the problem to fix,
+        # not the missing config.
+        pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise UnsupportedModelError(_pickle_message(pickles[0]))
     raise ModelNotFoundError(
         f"{model!s} is not an HF model directory (with config.json), a .gguf file or a known "
         f"alias ({gguf.SMOLLM2_ALIAS}); models are never downloaded from a hub"
