@@ -1,0 +1,38 @@
+"""`python -m benchmarks <command> ...`, and later `compile-engine bench <command> ...`.
+
+The runtime CLI mounts this by passing the words after `bench` to `main(argv)`. Commands are
+imported only when chosen, so `render` and `make-model` never load the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "latency": ("benchmarks.latency", "decode tok/s per batch size vs the bandwidth roofline"),
+    "throughput": ("benchmarks.throughput", "offline N requests through LLM.generate"),
+    "kv-waste": ("benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
+    "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
+    "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: bench <command> [options]  (<command> --help for its options)", ""]
+    lines += [f"  {name:<{width}}  {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"bench: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(rest)

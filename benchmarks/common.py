@@ -1,0 +1,111 @@
+"""What the engine benchmarks share: engine flags, random token-id prompts, honest clocks."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from benchmarks.results import DEFAULT_DIRECTORY
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int | None = 256) -> None:
+    """The LLM(...) settings a benchmark passes through, plus where its JSON goes."""
+    p.add_argument("--model", required=True, help="HF directory (see bench make-model)")
+    p.add_argument("--target", default=None, choices=["cpu", "h100"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        target=args.target,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+def engine_settings(llm) -> dict:
+    """The engine as it was actually built (defaults resolved), for the JSON."""
+    cfg = llm.engine.config
+    sched = llm.engine.scheduler.config
+    return {
+        "target": cfg.target,
+        "dtype": str(llm.engine.loaded.dtype).removeprefix("torch."),
+        "block_size": cfg.block_size,
+        "num_kv_blocks": sched.num_blocks,
+        "max_model_len": sched.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "enforce_eager": cfg.enforce_eager,
+    }
+
+
+def model_summary(llm) -> dict:
+    mc = llm.engine.model_config
+    return {
+        "architecture": mc.architecture,
+        "num_layers": mc.num_layers,
+        "hidden_size": mc.hidden_size,
+        "intermediate_size": mc.intermediate_size,
+        "num_heads": mc.num_heads,
+        "num_kv_heads": mc.num_kv_heads,
+        "head_dim": mc.head_dim,
+        "vocab_size": mc.vocab_size,
+    }
+
+
+def random_prompts(
+    n: int, lengths: int | list[int], vocab_size: int, rng: random.Random
+) -> list[list[int]]:
+    """Token-id prompts drawn uniformly from the vocabulary: random prompts share no prefix,
+    so prefix caching cannot flatter a number."""
+    if isinstance(lengths, int):
+        lengths = [lengths] * n
+    return [[rng.randrange(vocab_size) for _ in range(length)] for length in lengths]
+
+
+def sampled_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """vLLM's random-dataset lengths: uniform in [mean*(1-r), mean*(1+r)], at least 1."""
+    if range_ratio <= 0:
+        return [mean] * n
+    lo = max(1, int(mean * (1 - range_ratio)))
+    hi = max(lo, int(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timed(device: torch.device) -> Iterator[list[float]]:
+    """`with timed(dev) as t: ...` leaves the elapsed seconds in t[0], the device drained on
+    both ends so that queued kernels are neither missed nor charged to the next phase."""
+    out: list[float] = []
+    synchronize(device)
+    t0 = time.perf_counter()
+    yield out
+    synchronize(device)
+    out.append(time.perf_counter() - t0)

@@ -1,0 +1,220 @@
+"""CPU smoke tests of the benchmark suite on a 2-layer random model.
+
+They check that every benchmark runs end to end and writes what docs/performance.md is built
+from. No test asserts a time: timings on a shared 2-core machine mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cli, kv_waste, latency, make_model, render, throughput
+from benchmarks.results import FLAT_KEYS, device_slug, write_result
+
+RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    # Small shards so the index + multi-file loading path runs, as it does at 8B.
+    out = tmp_path_factory.mktemp("tiny-llama")
+    return make_model.make_model("tiny-llama", out, shard_bytes=150_000)
+
+
+def _only_json(directory: Path) -> dict:
+    files = list(directory.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_make_model_writes_sharded_hf_directory(tiny_model):
+    index = json.loads((tiny_model / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    assert all((tiny_model / s).is_file() for s in shards)
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_hidden_layers"] == 2
+    assert not (tiny_model / "tokenizer.json").exists()
+    specs = dict(make_model.tensor_specs(make_model.hf_config("tiny-llama")))
+    assert set(index["weight_map"]) == set(specs)
+
+
+def test_llama3_8b_preset_matches_llama31_shapes():
+    config = make_model.hf_config("llama3-8b")
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        4096,
+        32,
+        14336,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads) == (32, 8)
+    assert config.vocab_size == 128256 and config.max_position_embeddings == 131072
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
+    assert rope["factor"] == 8.0 and rope["original_max_position_embeddings"] == 8192
+    # Planning the shards needs only shapes: ~16 GB of bf16 in ~5 GB shards.
+    specs = make_model.tensor_specs(config)
+    shards = make_model.plan_shards(specs, 2, make_model.SHARD_BYTES)
+    total = sum(2 * make_model._numel(s) for _, s in specs)
+    assert 16.0e9 < total < 16.1e9
+    assert len(shards) == 4
+
+
+def test_latency_end_to_end(tiny_model, tmp_path):
+    rc = latency.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--target",
+            "cpu",
+            "--batch-sizes",
+            "1,3",
+            "--input-len",
+            "5",
+            "--output-len",
+            "6",
+            "--num-iters",
+            "1",
+            "--copy-rate",
+            "1e10",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = _only_json(tmp_path)
+    assert set(data) >= RECORD_KEYS
+    assert data["decode_bs1_tok_s"] > 0 and data["decode_bs3_tok_s"] > 0
+    run = data["batches"]["3"]["runs"][0]
+    # Decode counts exactly the tokens after every request's first one, at full batch.
+    assert run["decode_tokens"] == 3 * (6 - 1)
+    assert run["min_decode_batch"] == 3 and run["preemptions"] == 0
+    assert data["batches"]["1"]["roofline_pct"] > 0
+    assert data["copy_rate_B_s"] == 1e10 and data["copy_rate_source"] == "given"
+
+
+def test_throughput_end_to_end(tiny_model, tmp_path):
+    rc = throughput.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--target",
+            "cpu",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "12",
+            "--output-len",
+            "5",
+            "--num-warmup-requests",
+            "2",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = _only_json(tmp_path)
+    assert set(data) >= RECORD_KEYS
+    assert data["offline_output_tok_s"] > 0
+    assert data["output_tokens"] == 6 * 5 and data["prompt_tokens"] == 6 * 12
+
+
+def test_kv_waste_within_one_partial_block(tiny_model, tmp_path):
+    # A pool of 40 blocks for ~32 requests forces preemption, the case most likely to leak.
+    rc = kv_waste.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--num-requests",
+            "32",
+            "--prompt-len",
+            "3,90",
+            "--output-len",
+            "2,40",
+            "--num-kv-blocks",
+            "40",
+            "--max-model-len",
+            "160",
+            "--max-num-batched-tokens",
+            "64",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    data = _only_json(tmp_path)
+    assert rc == 0
+    assert data["within_one_partial_block"]
+    assert data["max_request_waste_slots"] < data["block_size"]
+    assert data["steps_measured"] > 0 and data["preemptions"] > 0
+    assert 0 <= data["waste_pct_mean"] <= data["waste_pct_max"] < 100
+    # A contiguous max-length reservation wastes more than paging, for the same running set.
+    assert data["contiguous_max_len_waste_pct"] > data["waste_pct_overall"]
+
+
+def test_kv_waste_refuses_prefix_caching(tiny_model):
+    from runtime import LLM
+
+    llm = LLM(str(tiny_model), target="cpu", num_kv_blocks=16, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="prefix caching off"):
+        kv_waste.bench_kv_waste(llm, num_requests=2)
+
+
+def test_write_result_names_and_records(tmp_path):
+    path = write_result("unit", {"decode_bs1_tok_s": 1.5}, tmp_path, device="cpu")
+    data = json.loads(path.read_text())
+    tag = data["commit"][:12] + ("-dirty" if data["dirty"] else "")
+    assert re.fullmatch(rf"unit-cpu-[a-z0-9-]+-{re.escape(tag)}\.json", path.name)
+    assert set(data) >= RECORD_KEYS and data["decode_bs1_tok_s"] == 1.5
+    assert "torch" in data["versions"] and "python" in data["versions"]
+    assert device_slug({"type": "cuda", "name": "NVIDIA H200"}) == "nvidia-h200"
+    assert device_slug({"type": "cpu", "cpu": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz"}) == (
+        "cpu-intel-xeon-gold-6338"
+    )
+
+
+def test_render_markdown(tmp_path):
+    results = tmp_path / "results"
+    write_result(
+        "latency",
+        {
+            "benchmark": "latency",
+            "model": "/m/llama3-8b",
+            "input_len": 32,
+            "output_len": 128,
+            "num_iters": 3,
+            "num_warmup": 1,
+            "copy_rate_B_s": 4.26e12,
+            "copy_rate_source": "given",
+            "weight_bytes_per_step": 15_000_000_000,
+            "batches": {
+                "1": {
+                    "decode_tok_s": 260.0,
+                    "ms_per_step": 3.8,
+                    "roofline_tok_s": 283.0,
+                    "roofline_pct": 91.9,
+                    "prefill_s": 0.02,
+                }
+            },
+            "decode_bs1_tok_s": 260.0,
+        },
+        results,
+        device="cpu",
+    )
+    out = tmp_path / "performance.md"
+    assert cli.main(["render", "--results-dir", str(results), "--output", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Performance")
+    assert "| decode batch 1, tok/s | 260.0 |" in text
+    assert "vLLM 0.26.0 (H200)" in text and "21,428" in text
+    assert "## Commands" in text
+    for key in FLAT_KEYS:
+        assert render.LABELS[key] in text
+
+
+def test_cli_rejects_unknown_command(capsys):
+    assert cli.main(["nonsense"]) == 2
+    assert "unknown command" in capsys.readouterr().err
