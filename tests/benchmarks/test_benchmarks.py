@@ -124,23 +124,23 @@ def test_throughput_end_to_end(tiny_model, tmp_path):
 
 
 def test_kv_waste_within_one_partial_block(tiny_model, tmp_path):
-    # A pool of 40 blocks for ~32 requests forces preemption, the case most likely to leak.
+    # A pool of 20 blocks for ~45 blocks of demand forces preemption, the case most likely to leak.
     rc = kv_waste.main(
         [
             "--model",
             str(tiny_model),
             "--num-requests",
-            "32",
+            "16",
             "--prompt-len",
-            "3,90",
+            "3,60",
             "--output-len",
-            "2,40",
+            "2,24",
             "--num-kv-blocks",
-            "40",
+            "20",
             "--max-model-len",
-            "160",
+            "100",
             "--max-num-batched-tokens",
-            "64",
+            "48",
             "--results-dir",
             str(tmp_path),
         ]
