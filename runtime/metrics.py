@@ -1,0 +1,107 @@
+"""Prometheus metrics under vLLM's names with the prefix `compile_engine:`, so dashboards built
+for vLLM map over by replacing `vllm:` with `compile_engine:`.
+
+Each app gets its own CollectorRegistry (tests build several apps in one process). Gauges and
+the scheduler's cumulative counters are read from the latest scheduler snapshot at scrape time
+by a custom collector, instead of being pushed every step: the snapshot is taken in the engine
+thread after each step, so a scrape never touches the (not thread-safe) scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from runtime.scheduler import SchedulerStats
+
+PREFIX = "compile_engine:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, trimmed a little at the top.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        labels = ["model_name"]
+        values = [self._model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            metric = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            metric.add_metric(values, value)
+            return metric
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            metric = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            metric.add_metric(values, value)
+            return metric
+
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 means 100 percent).",
+            stats.kv_cache_usage,
+        )
+        yield counter("num_preemptions", "Preemptions since start.", stats.num_preemptions_total)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
+
+
+class ServerMetrics:
+    """The metric set of one server. `observe_*` are called on the event loop."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_SchedulerCollector(model_name, stats))
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, registry=self.registry, buckets=buckets
+            ).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to the first generated token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between successive outputs.", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _E2E_BUCKETS
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

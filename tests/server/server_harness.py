@@ -1,0 +1,49 @@
+"""Helpers for the server tests: constants and an aiohttp app served from a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from aiohttp import web
+
+API_KEY = "test-key"
+MODEL_NAME = "smollm2"
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    app: web.Application
+    engine: object
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+
+class ServerThread:
+    """An aiohttp app served from its own event loop on a background thread."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.runner: web.AppRunner | None = None
+
+    def start(self) -> int:
+        self.thread.start()
+        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
+
+    async def _start(self) -> int:
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return self.runner.addresses[0][1]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
