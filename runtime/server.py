@@ -401,7 +401,11 @@ async def _stream(
                     choice.finished = completion.finish_reason is not None
                 if out.finished:
                     final.append(out)
-        except EngineError:
+        except ConnectionError:
+            raise
+        except Exception as exc:  # headers are sent: the error travels as an event
+            if not isinstance(exc, EngineError):
+                log.error("stream failed", exc_info=exc)
             await response.write(_sse(_internal_error().body()))
         else:
             if make_usage is not None:
