@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +22,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -34,6 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        passes=args.passes,
     )
 
 
@@ -70,6 +74,85 @@ def _serve(args: argparse.Namespace) -> int:
     return server.main(args)
 
 
+def _build(args: argparse.Namespace) -> int:
+    from compiler.build import build_artifact
+
+    def progress(stage: str, seconds: float) -> None:
+        print(f"[build] {stage:<13} {seconds:7.1f} s", flush=True)
+
+    out = args.out or f"artifacts/{Path(args.model).name.removesuffix('.gguf')}-{args.target}"
+    manifest = build_artifact(
+        args.model,
+        out,
+        target=args.target,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        passes=args.passes,
+        progress=progress,
+    )
+    c = manifest.compile
+    print(
+        f"[build] wrote {out}: {c['num_pieces']} pieces ({c['num_attention_pieces']} attention), "
+        f"{c['num_compiled_pieces']} compiled, {len(manifest.kernels)} kernel files"
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from compiler.artifact import Manifest
+
+    manifest = Manifest.read(Path(args.artifact))
+    data = json.loads((Path(args.artifact) / "manifest.json").read_text())
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    c = manifest.compile
+    print(f"artifact   {args.artifact}  (cache key {data['cache_key']})")
+    print(f"model      {manifest.model_path} [{manifest.architecture}, {manifest.dtype}]")
+    print(f"target     {manifest.target} on {manifest.device}")
+    print("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
+    print(
+        "passes     " + ", ".join(f"{p['name']} ({p['matches']} matches)" for p in manifest.passes)
+    )
+    print(
+        f"pieces     {c['num_pieces']} ({c['num_attention_pieces']} attention, "
+        f"{c['num_compiled_pieces']} compiled by Inductor)"
+    )
+    for piece in c["pieces"]:
+        print(f"  piece {piece['key']}: {piece['nodes']} nodes, used {piece['reused_by'] + 1}x")
+    print(f"capture    {manifest.capture_sizes or 'none (CPU)'}")
+    print(f"kernels    {len(manifest.kernels)} files under kernels/")
+    print("timings    " + ", ".join(f"{k} {v}" for k, v in manifest.timings.items()))
+    return 0
+
+
+def _passes(args: argparse.Namespace) -> int:
+    from passes.registry import REGISTRY, load_all
+
+    load_all()
+    rows = [
+        {
+            "name": p.name,
+            "description": p.description,
+            "targets": list(p.targets),
+            "dtypes": [str(d).removeprefix("torch.") for d in p.dtypes],
+            "default": p.default_on,
+            "uuid": p.uuid(),
+        }
+        for p in REGISTRY.values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            flag = "on " if r["default"] else "off"
+            print(f"{r['name']:<24} {flag} {','.join(r['targets']):<9} {r['description']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compile-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -92,6 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-waiting", type=int, default=1024)
     serve.set_defaults(func=_serve)
+
+    build = sub.add_parser("build", help="compile a model into an artifact directory")
+    build.add_argument("model", help="HF directory, .gguf file, alias (smollm2-135m)")
+    build.add_argument("--target", default="cpu", choices=["cpu", "h100"])
+    build.add_argument("--out", default=None, help="artifact directory (default artifacts/...)")
+    build.add_argument("--dtype", default="auto")
+    build.add_argument("--max-model-len", type=int, default=None)
+    build.add_argument("--max-num-seqs", type=int, default=256)
+    build.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    build.add_argument("--block-size", type=int, default=16)
+    build.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
+    build.set_defaults(func=_build)
+
+    inspect = sub.add_parser("inspect", help="describe an artifact")
+    inspect.add_argument("artifact")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_inspect)
+
+    passes = sub.add_parser("passes", help="list the registered compiler passes")
+    passes.add_argument("--json", action="store_true")
+    passes.set_defaults(func=_passes)
     return parser
 
 
@@ -101,13 +205,25 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from compiler.artifact import ArtifactError
+    from compiler.config import CompileConfigError
     from models.errors import ModelError
+    from passes.registry import UnknownPassError
     from runtime.engine import EngineConfigError
     from runtime.sampling_params import InvalidSamplingParams
 
+    user_errors = (
+        ModelError,
+        EngineConfigError,
+        InvalidSamplingParams,
+        ArtifactError,
+        CompileConfigError,
+        UnknownPassError,
+        FileExistsError,
+    )
     try:
         return args.func(args)
-    except (ModelError, EngineConfigError, InvalidSamplingParams) as exc:
+    except user_errors as exc:
         print(f"compile-engine: error: {exc}", file=sys.stderr)
         return 2
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from compiler.artifact import Manifest, is_artifact
+from compiler.compiled_model import CompiledForward
+from compiler.config import CompileConfig
 from models.config import ModelConfig
 from models.loader import LoadedModel, load_model
 from runtime.detokenizer import IncrementalDetokenizer
@@ -43,10 +47,14 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     max_waiting: int | None = None
+    passes: str | None = None  # see passes/registry.py: "+name,-name" or "a,b"
 
     def __post_init__(self) -> None:
         if self.target is None:
-            self.target = "h100" if torch.cuda.is_available() else "cpu"
+            if is_artifact(self.model):
+                self.target = Manifest.read(Path(self.model)).target
+            else:
+                self.target = "h100" if torch.cuda.is_available() else "cpu"
         if self.target not in TARGETS:
             raise EngineConfigError(
                 f"target {self.target!r} is not supported; use one of {', '.join(TARGETS)}"
@@ -115,9 +123,26 @@ class LLMEngine:
         self.config = config
         device = config.device
         t0 = time.perf_counter()
+        model, dtype, cache_dir, passes = config.model, config.dtype, None, config.passes
+        self.manifest: Manifest | None = None
+        if is_artifact(config.model):
+            # An artifact fixes the model, dtype, target and passes it was compiled for.
+            artifact = Path(config.model)
+            self.manifest = manifest = Manifest.read(artifact)
+            manifest.check(artifact)
+            if config.target != manifest.target:
+                raise EngineConfigError(
+                    f"artifact {artifact} was built for target {manifest.target}, not "
+                    f"{config.target}; {manifest.rebuild_hint(artifact)}"
+                )
+            model, dtype = manifest.model_path, manifest.dtype
+            cache_dir = artifact / "inductor-cache"
+            passes = ",".join(p["name"] for p in manifest.passes)
+            if config.max_model_len is None:
+                config.max_model_len = manifest.engine_args.get("max_model_len")
         if loaded is None:
             loaded = load_model(
-                config.model, dtype=config.dtype, device=device, max_model_len=config.max_model_len
+                model, dtype=dtype, device=device, max_model_len=config.max_model_len
             )
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
@@ -144,6 +169,12 @@ class LLMEngine:
             device=device,
             seed=config.seed,
         )
+        self.compiled: CompiledForward | None = None
+        if not config.enforce_eager:
+            compile_config = CompileConfig(target=config.target, passes=passes, cache_dir=cache_dir)
+            self.compiled = CompiledForward(loaded.model, compile_config, loaded.dtype)
+            self.compiled.capture(self.runner.kv_caches)
+            self.runner.forward = self.compiled
         eos = loaded.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
         self.groups: dict[str, _Group] = {}

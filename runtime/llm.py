@@ -26,6 +26,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
+        passes: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -39,6 +40,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
             seed=seed,
+            passes=passes,
         )
         self.engine = LLMEngine(config)
 

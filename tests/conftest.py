@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One Inductor cache for every in-process compile of the suite (and its subprocesses), kept
+# between runs: the compile tests pay cold compiles once per cache.
+os.environ.setdefault(
+    "COMPILE_ENGINE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "inductor")
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,4 +56,4 @@ def smollm2_llm():
     from runtime import LLM
 
     smollm2_directory()
-    return LLM("smollm2-135m", dtype="float32", target="cpu", num_kv_blocks=512)
+    return LLM("smollm2-135m", dtype="float32", target="cpu", num_kv_blocks=512, enforce_eager=True)

@@ -4,34 +4,11 @@ n=2, for every tiny architecture and for the real SmolLM2."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
+from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from tiny_models import TINY_ARCHS, make_tiny_model
 
 from runtime import LLM, SamplingParams
-
-NEW_TOKENS = 10
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    """HF's own argmax, step by step over the whole sequence (no cache: the plainest oracle)."""
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = hf_model(torch.tensor([tokens])).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-    return tokens[len(prompt) :]
-
-
-def mixed_prompts(vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
-    lengths = [1, 5, 17, 33, 8, 24, 2]
-    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
 
 SCENARIOS = {
     "default": dict(),
@@ -50,7 +27,9 @@ def tiny(request, tmp_path_factory):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_equals_hf(tiny, scenario):
     directory, hf_model = tiny
-    llm = LLM(str(directory), dtype="float32", target="cpu", **SCENARIOS[scenario])
+    llm = LLM(
+        str(directory), dtype="float32", target="cpu", enforce_eager=True, **SCENARIOS[scenario]
+    )
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=1)
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -68,7 +47,7 @@ def test_greedy_equals_hf(tiny, scenario):
 
 def test_prefix_cache_hits_keep_greedy_exact(tiny):
     directory, hf_model = tiny
-    llm = LLM(str(directory), dtype="float32", target="cpu", block_size=4)
+    llm = LLM(str(directory), dtype="float32", target="cpu", block_size=4, enforce_eager=True)
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=2, shared_prefix=13)
     llm.generate(prompts[:1], GREEDY)  # warms the cache with the shared prefix
     before = llm.engine.stats().prefix_cache_hits
@@ -80,7 +59,7 @@ def test_prefix_cache_hits_keep_greedy_exact(tiny):
 
 def test_n2_greedy_equals_n1(tiny):
     directory, hf_model = tiny
-    llm = LLM(str(directory), dtype="float32", target="cpu", block_size=4)
+    llm = LLM(str(directory), dtype="float32", target="cpu", block_size=4, enforce_eager=True)
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=3)
     n1 = llm.generate(prompts, GREEDY)
     n2_params = SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

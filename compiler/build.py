@@ -1,0 +1,114 @@
+"""`compile-engine build`: load, trace, run passes, compile, write the artifact.
+
+Build runs on a machine of the target (CPU for `cpu`, an H100/H200 for `h100`): Inductor
+tunes and compiles for the hardware it runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
+from compiler.compiled_model import CompiledForward
+from compiler.config import CompileConfig
+from models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+CACHE_SUBDIR = "inductor-cache"
+KERNELS_SUBDIR = "kernels"
+
+
+def _generated_modules() -> set[str]:
+    """Files of the Python modules Inductor has generated and loaded in this process."""
+    from torch._inductor.codecache import PyCodeCache
+
+    return {m.__file__ for m in PyCodeCache.modules if getattr(m, "__file__", None)}
+
+
+def build_artifact(
+    model: str,
+    out: str | Path,
+    *,
+    target: str = "cpu",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    passes: str | None = None,
+    progress: Callable[[str, float], None] | None = None,
+) -> Manifest:
+    """Compile `model` for `target` into the artifact directory `out`; return its manifest."""
+    say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").is_file():
+            raise FileExistsError(f"{out} exists and is not an artifact; choose another --out")
+        shutil.rmtree(out)
+    (out / KERNELS_SUBDIR).mkdir(parents=True)
+    device = torch.device("cuda" if target == "h100" else "cpu")
+    t0 = time.perf_counter()
+
+    loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    t_load = time.perf_counter() - t0
+    say("load", t_load)
+
+    cfg = loaded.config
+    # Capture needs a cache to write into, not a real-sized one: one scratch block per layer.
+    kv_caches = [
+        torch.zeros(
+            2, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype, device=device
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    config = CompileConfig(target=target, passes=passes, cache_dir=out / CACHE_SUBDIR)
+    compiled = CompiledForward(loaded.model, config, loaded.dtype)
+    before = _generated_modules()
+    compiled.capture(kv_caches)
+    stats = compiled.backend.stats
+    say("trace+passes", stats.trace_seconds + stats.pass_seconds)
+    say("compile", stats.seconds - stats.pass_seconds)
+
+    kernels = []
+    for path in sorted(_generated_modules() - before):
+        dest = out / KERNELS_SUBDIR / Path(path).name
+        shutil.copyfile(path, dest)
+        kernels.append(str(dest.relative_to(out)))
+
+    manifest = Manifest(
+        model_path=str(loaded.source.path.resolve()),
+        model_kind=loaded.source.kind,
+        model_fingerprint=model_fingerprint(loaded.source.path),
+        architecture=cfg.architecture,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        target=target,
+        device=device_description(target),
+        code_hash=code_hash(),
+        versions=versions(),
+        engine_args=dict(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+        ),
+        passes=compiled.pass_manager.describe(),
+        pass_manager_uuid=compiled.pass_manager.uuid(),
+        compile=stats.as_dict(),
+        kernels=kernels,
+        timings=dict(
+            load_s=round(t_load, 2),
+            trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),
+            compile_s=round(stats.seconds - stats.pass_seconds, 2),
+            total_s=round(time.perf_counter() - t0, 2),
+        ),
+    )
+    manifest.write(out)
+    say("total", time.perf_counter() - t0)
+    return manifest

@@ -1,0 +1,66 @@
+"""Compile settings, and the one function that applies them to Inductor and Dynamo.
+
+Nothing here runs at import: `apply_inductor_settings` is called by whoever compiles, at
+build or load time (STYLE #12).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TARGETS = ("cpu", "h100")
+
+
+class CompileConfigError(ValueError):
+    """A compile setting is invalid; the message says what is allowed."""
+
+
+@dataclass(slots=True)
+class CompileConfig:
+    target: str = "cpu"
+    passes: str | None = None  # "+name,-name" relative to the defaults, or "a,b" exactly
+    cache_dir: Path | None = None  # Inductor + Triton cache; an artifact ships its own
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise CompileConfigError(
+                f"target {self.target!r} is not supported; use one of {', '.join(TARGETS)}"
+            )
+
+
+def default_cache_dir() -> Path:
+    """The persistent cache of in-process compiles (artifacts carry their own).
+    COMPILE_ENGINE_CACHE_DIR overrides it, e.g. to share one cache across a CI run."""
+    if override := os.environ.get("COMPILE_ENGINE_CACHE_DIR"):
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "compile-engine" / "inductor"
+
+
+def apply_inductor_settings(config: CompileConfig) -> Path:
+    """Point Inductor and Triton at the cache dir and set the options our artifacts rely on.
+    Returns the cache dir in use."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    cache_dir = Path(config.cache_dir or default_cache_dir()).resolve()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Read by Inductor at each use, so switching artifacts within one process works.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir / "triton")
+    inductor_config.fx_graph_cache = True
+    # A precompiled header lives in a fresh temp dir per process and its path enters the
+    # C++ cache key: with it on, every load recompiles every kernel with g++ (measured).
+    inductor_config.cpp_cache_precompile_headers = False
+    # Skip the per-process C++ ISA probe builds (~10 g++ runs, seconds each on 2 cores): the
+    # ISA still comes from the CPU's flags, and build and load must agree on this setting
+    # because it enters Inductor's cache key.
+    inductor_config.cpp.vec_isa_ok = True
+    # Floats such as eps stay constants in the graph instead of becoming inputs.
+    dynamo_config.specialize_float = True
+    # One graph per model is captured once; later calls must never retrace it.
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 8)
+    return cache_dir

@@ -1,0 +1,52 @@
+"""What a fusion pass is: one class in one file.
+
+A pass rewrites the captured FX graph of a whole model (torch-level IR, our `ce` ops as single
+nodes) before the graph is split at attention and handed to Inductor. It says what it matches,
+where it applies (targets, dtypes) and how it changes the cache key (`uuid`), and it returns
+how many matches it rewrote so that `build` can record it per model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+
+@dataclass(frozen=True, slots=True)
+class PassContext:
+    """Where the graph will run: passes use it to decide whether they apply."""
+
+    target: str  # "cpu" | "h100"
+    dtype: torch.dtype
+
+
+class GraphPass:
+    """Subclass, set the class attributes, implement `apply`, and decorate with @register."""
+
+    name: str = ""
+    description: str = ""
+    targets: tuple[str, ...] = ("cpu", "h100")
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    default_on: bool = True
+
+    def applies(self, ctx: PassContext) -> bool:
+        return ctx.target in self.targets and ctx.dtype in self.dtypes
+
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
+        """Rewrite `graph` in place; return the number of matches rewritten."""
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        """Changes whenever the pass's code changes, so compiled artifacts are rebuilt."""
+        source = inspect.getsource(type(self))
+        return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def op_nodes(graph: fx.Graph, name: str) -> list[fx.Node]:
+    """The call nodes of our op `name` (torch.ops.ce.<name>)."""
+    overload = getattr(torch.ops.ce, name).default
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is overload]
