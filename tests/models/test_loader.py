@@ -7,6 +7,7 @@ checkpoint is wanted, edits that directory the way a user's checkpoint could be 
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from collections.abc import Callable
@@ -158,8 +159,7 @@ def test_dtype(llama_dir, dtype, expected: torch.dtype) -> None:
 
 
 def test_dtype_auto_keeps_the_checkpoint_dtype(llama_dir, tmp_path: Path) -> None:
-    llama_dir[1].to(torch.bfloat16).save_pretrained(tmp_path)
-    llama_dir[1].to(torch.float32)  # the module fixture's model is shared
+    copy.deepcopy(llama_dir[1]).to(torch.bfloat16).save_pretrained(tmp_path)
     loaded = load_model(tmp_path, dtype="auto")
     assert loaded.dtype == torch.bfloat16
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
