@@ -29,7 +29,17 @@ from passes.manager import PassManager
 
 log = logging.getLogger(__name__)
 
-SPLIT_OPS = (torch.ops.ce.paged_attention.default,)
+# Attention ops are where the graph splits: the reference and every kernel lowering of it.
+SPLIT_OP_NAMES = ("ce::paged_attention", "ce_kernels::paged_attention")
+
+
+def is_split_node(node: fx.Node) -> bool:
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target._schema.name in SPLIT_OP_NAMES
+    )
 
 
 @dataclass(slots=True)
@@ -85,14 +95,14 @@ def split_at_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_function" and node.target in SPLIT_OPS:
+        if is_split_node(node):
             partition += 1
             assignment[node] = partition
             partition += 1
         else:
             assignment[node] = partition
     split = split_module(gm, None, lambda node: assignment[node], keep_original_order=True)
-    attention = {f"submod_{assignment[n]}" for n in assignment if n.target in SPLIT_OPS}
+    attention = {f"submod_{assignment[n]}" for n in assignment if is_split_node(n)}
     return split, sorted(attention)
 
 

@@ -9,8 +9,10 @@ one assumption Dynamo makes (size >= 2) is covered by the tests that decode one 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import types
 
 import torch
 from torch import nn
@@ -27,6 +29,27 @@ log = logging.getLogger(__name__)
 
 def _drop_all_guards(guards) -> list[bool]:
     return [False for _ in guards]
+
+
+_copies = itertools.count()
+
+
+def _own_code_object(method):
+    """The bound method again, but with a code object of its own. Dynamo keeps compiled
+    graphs per code object and our entries carry no guards, so two models in one process
+    (tests, a build then a load) must never share one: the second would run the first's
+    graph."""
+    fn = method.__func__
+    code = fn.__code__
+    name = f"{code.co_name}_ce{next(_copies)}"
+    copy = types.FunctionType(
+        code.replace(co_name=name, co_qualname=name),
+        fn.__globals__,
+        name,
+        fn.__defaults__,
+        fn.__closure__,
+    )
+    return types.MethodType(copy, method.__self__)
 
 
 def dummy_batch(
@@ -57,7 +80,7 @@ class CompiledForward:
         self.backend = PiecewiseBackend(self.pass_manager)
         self.model = model
         self._fn = torch.compile(
-            model.forward,
+            _own_code_object(model.forward),
             backend=self.backend,
             fullgraph=True,
             dynamic=False,

@@ -40,6 +40,11 @@ class PassManager:
 
     def describe(self) -> list[dict]:
         return [
-            {"name": p.name, "uuid": p.uuid(), "matches": self.match_counts.get(p.name, 0)}
+            {
+                "name": p.name,
+                "uuid": p.uuid(),
+                "applies": p.applies(self.ctx),
+                "matches": self.match_counts.get(p.name, 0),
+            }
             for p in self.passes
         ]

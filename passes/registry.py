@@ -42,3 +42,4 @@ def select(spec: str | None) -> list[GraphPass]:
 def load_all() -> None:
     """Import every pass module so that its @register runs (explicit, not at import of passes)."""
     import passes.lower_to_reference  # noqa: F401
+    import passes.paged_attention  # noqa: F401

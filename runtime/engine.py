@@ -16,10 +16,16 @@ import torch
 from compiler.artifact import Manifest, is_artifact
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
+from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig
 from models.loader import LoadedModel, load_model
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.model_runner import ModelRunner, TokenLogprobs, default_num_blocks
+from runtime.model_runner import (
+    ModelRunner,
+    TokenLogprobs,
+    default_num_blocks,
+    profile_activation_bytes,
+)
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -148,8 +154,19 @@ class LLMEngine:
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = self._max_model_len(loaded.config, config.max_model_len)
         self.tokenizer = load_tokenizer(loaded)
+        reserve = 0
+        if device.type == "cuda" and config.num_kv_blocks is None:
+            # Activations of the largest step, twice: once for eager/compiled steps and once
+            # for the CUDA graph pool (captured largest first, it is one graph's worth).
+            reserve = 2 * profile_activation_bytes(
+                loaded, config.max_num_batched_tokens, config.max_num_seqs
+            )
         num_blocks = config.num_kv_blocks or default_num_blocks(
-            loaded, config.block_size, device, self.max_model_len * min(config.max_num_seqs, 64)
+            loaded,
+            config.block_size,
+            device,
+            self.max_model_len * config.max_num_seqs,
+            reserve,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -175,6 +192,18 @@ class LLMEngine:
             self.compiled = CompiledForward(loaded.model, compile_config, loaded.dtype)
             self.compiled.capture(self.runner.kv_caches)
             self.runner.forward = self.compiled
+            if self._graphs_possible():
+                self.runner.graphs = CUDAGraphRunner(
+                    self.compiled,
+                    self.runner.kv_caches,
+                    capture_sizes=default_capture_sizes(
+                        config.max_num_seqs, config.max_num_batched_tokens
+                    ),
+                    max_num_seqs=config.max_num_seqs,
+                    max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+                    device=device,
+                )
+                self.runner.graphs.capture()
         eos = loaded.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
         self.groups: dict[str, _Group] = {}
@@ -188,6 +217,14 @@ class LLMEngine:
             config.block_size,
             self.max_model_len,
         )
+
+    def _graphs_possible(self) -> bool:
+        """CUDA graphs need a device, and an attention kernel without host synchronisation
+        (the reference reads sequence lengths on the host)."""
+        if self.config.device.type != "cuda" or self.compiled is None:
+            return False
+        applied = self.compiled.pass_manager.match_counts
+        return applied.get("paged_attention_triton", 0) > 0
 
     @staticmethod
     def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:

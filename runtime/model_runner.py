@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compiler.cuda_graphs import CUDAGraphRunner
 from models.layers import AttentionMetadata
 from models.loader import LoadedModel
 from runtime.sampler import Sampler, SamplingBatch
@@ -46,15 +47,52 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
 
+@torch.inference_mode()
+def profile_activation_bytes(loaded: LoadedModel, num_tokens: int, num_rows: int) -> int:
+    """Peak memory of one eager forward of `num_tokens` tokens plus sampling `num_rows` rows:
+    what the KV pool must leave free for activations (and, below, for CUDA graphs)."""
+    cfg, device = loaded.config, next(loaded.model.parameters()).device
+    block_size = 16
+    blocks = -(-num_tokens // block_size) + 1
+    kv = [
+        torch.zeros(
+            2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype, device=device
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(block_size, block_size + num_tokens, device=device),
+        block_tables=torch.arange(1, blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+    )
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = loaded.model(ids, torch.arange(num_tokens, device=device), kv, meta)
+    logits = loaded.model.compute_logits(hidden[: min(num_rows, num_tokens)]).float()
+    torch.softmax(logits, dim=-1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del kv, hidden, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
 def default_num_blocks(
-    loaded: LoadedModel, block_size: int, device: torch.device, needed_tokens: int
+    loaded: LoadedModel,
+    block_size: int,
+    device: torch.device,
+    needed_tokens: int,
+    reserve_bytes: int = 0,
 ) -> int:
-    """Size the pool from memory: all of it that is useful, within the device's budget."""
+    """Size the pool from memory: all of it that is useful, within the device's budget, after
+    `reserve_bytes` for activations and CUDA graphs."""
     per_block = kv_bytes_per_block(loaded, block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # Leave room for activations and the allocator's fragmentation beyond weights.
-        budget = free - (1 - GPU_MEMORY_UTILIZATION) * total
+        budget = free - (1 - GPU_MEMORY_UTILIZATION) * total - reserve_bytes
     else:
         budget = CPU_KV_BYTES
     useful = -(-needed_tokens // block_size) + 1
@@ -79,7 +117,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
         ]
-        self.forward = self.model.forward
+        self.forward = self.model.forward  # the compiler swaps in the compiled forward
+        self.graphs: CUDAGraphRunner | None = None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # Unseeded rows draw from one engine-wide generator, seeded once for reproducible runs.
@@ -123,24 +162,40 @@ class ModelRunner:
         tables = torch.zeros(len(step.scheduled), width, dtype=torch.int32)
         for row, item in enumerate(step.scheduled):
             tables[row, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        rows = torch.tensor(sample_rows, dtype=torch.int64)
+        return input_ids, pos, meta, rows  # host tensors: the graph runner copies them itself
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            *(
+                t.to(dev, non_blocking=True)
+                for t in (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+            )
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
-        return input_ids, pos, meta, rows
+        return self.forward(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         if not step.scheduled:
             return RunnerOutput({}, {})
         input_ids, positions, meta, rows = self.prepare(step)
-        hidden = self.forward(input_ids, positions, self.kv_caches, meta)
+        hidden = self._run_model(input_ids, positions, meta)
+        rows = rows.to(self.device, non_blocking=True)
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
             return RunnerOutput({}, {})

@@ -134,7 +134,9 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path):
     manifest = Manifest.read(artifact)
     assert manifest.compile["num_compiled_pieces"] == 3
     assert manifest.kernels and all((artifact / k).is_file() for k in manifest.kernels)
-    assert {p["name"] for p in manifest.passes} == {"lower_to_reference"}
+    passes = {p["name"]: p for p in manifest.passes}
+    assert passes["lower_to_reference"]["matches"] > 0
+    assert passes["paged_attention_triton"]["applies"] is False  # an h100-only pass
 
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=7)
     load = _run(

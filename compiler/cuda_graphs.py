@@ -1,0 +1,154 @@
+"""CUDA graphs of the whole model forward, one per padded token count. All of it lives here.
+
+Why whole-model graphs for every batch, not only decode: our paged-attention kernel reads
+every per-step quantity (which sequence a token belongs to, how long its context is) from
+device memory and sizes its grid from tensor shapes alone, so a graph captured for T tokens
+replays correctly for any mix of prefill chunks and decodes that fits in T tokens and
+`max_num_seqs` sequences. Batches larger than the largest captured size run the compiled
+pieces without a graph.
+
+Persistent buffers: the token-indexed inputs (ids, positions, slot mapping) are sized for the
+largest capture, the sequence-indexed ones (block tables, seq_lens, query_start_loc) for
+`max_num_seqs`; every graph reads prefixes/whole of the same buffers. Padding is explicit
+(`prepare_for_replay`): padded tokens write their KV into scratch block 0 and belong to no
+sequence (query_start_loc repeats the real token count), padded sequences have length 0.
+Graphs are captured largest first into one shared memory pool, so the pool is the size of
+the largest graph's activations, not the sum.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from models.layers import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """Every decode batch up to max_num_seqs pads by at most 12.5% (plus small sizes exact),
+    and mixed batches up to 512 tokens get a graph too."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+    sizes += list(range(160, 513, 32))
+    limit = max(min(max_num_batched_tokens, 512), min(max_num_seqs, max_num_batched_tokens))
+    return [s for s in sizes if s <= limit]
+
+
+class CUDAGraphRunner:
+    def __init__(
+        self,
+        forward: Callable,
+        kv_caches: list[torch.Tensor],
+        *,
+        capture_sizes: list[int],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.forward, self.kv_caches = forward, kv_caches
+        self.sizes = sorted(set(capture_sizes))
+        self.max_num_seqs = max_num_seqs
+        max_tokens = self.sizes[-1]
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(
+            max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
+        )
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+        )
+
+    def prepare_for_capture(self) -> None:
+        """An all-padding batch: the kernels run their launch path and touch only block 0."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.zero_()
+        self.block_tables.zero_()
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.prepare_for_capture()
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
+                self.forward(*args, self._meta(size))  # warm-up: lazy init outside the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.forward(*args, self._meta(size))
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[size], self.outputs[size] = graph, out
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = torch.cuda.memory_reserved() - before
+        log.info(
+            "captured %d CUDA graphs (%d..%d tokens) in %.1f s, %.2f GiB",
+            len(self.graphs),
+            self.sizes[0],
+            self.sizes[-1],
+            self.capture_seconds,
+            self.pool_bytes / 2**30,
+        )
+
+    def padded_size(self, num_tokens: int, num_seqs: int) -> int | None:
+        if num_seqs > self.max_num_seqs or num_tokens > self.sizes[-1]:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def prepare_for_replay(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        n, b = input_ids.shape[0], meta.seq_lens.shape[0]
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:size].zero_()
+        # Columns past `width` may hold a previous step's blocks: the kernel reads only the
+        # first ceil(seq_len / block_size) entries of a row, all of which are written here.
+        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[b:].zero_()
+        self.query_start_loc[: b + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.query_start_loc[b + 1 :].fill_(n)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Replay the graph of the smallest captured size that fits; None if none fits."""
+        n = input_ids.shape[0]
+        size = self.padded_size(n, meta.seq_lens.shape[0])
+        if size is None:
+            return None
+        self.prepare_for_replay(size, input_ids, positions, meta)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
