@@ -153,6 +153,12 @@ def _passes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from benchmarks.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compile-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -192,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("artifact")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=_inspect)
+
+    bench = sub.add_parser(
+        "bench", help="benchmarks: latency, throughput, kv-waste, make-model, render",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
 
     passes = sub.add_parser("passes", help="list the registered compiler passes")
     passes.add_argument("--json", action="store_true")
