@@ -25,6 +25,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int | None = 2
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
 
@@ -40,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        cuda_graphs=not args.no_cuda_graphs,
         seed=args.seed,
     )
 
@@ -58,6 +60,21 @@ def engine_settings(llm) -> dict:
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "enforce_eager": cfg.enforce_eager,
+        "compiled": llm.engine.compiled is not None,
+        "compile": llm.engine.compiled.backend.stats.as_dict() if llm.engine.compiled else None,
+        "passes": llm.engine.compiled.pass_manager.describe() if llm.engine.compiled else None,
+        "cuda_graphs": _graph_summary(llm.engine.runner.graphs),
+    }
+
+
+def _graph_summary(graphs) -> dict | None:
+    if graphs is None:
+        return None
+    return {
+        "num_graphs": len(graphs.graphs),
+        "capture_sizes": graphs.sizes,
+        "capture_seconds": round(graphs.capture_seconds, 2),
+        "pool_gib": round(graphs.pool_bytes / 2**30, 3),
     }
 
 

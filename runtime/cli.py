@@ -23,6 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -38,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         passes=args.passes,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
 

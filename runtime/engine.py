@@ -54,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     max_waiting: int | None = None
     passes: str | None = None  # see passes/registry.py: "+name,-name" or "a,b"
+    cuda_graphs: bool = True  # off: compiled pieces run without graphs (for measurements)
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -222,6 +223,8 @@ class LLMEngine:
         """CUDA graphs need a device, and an attention kernel without host synchronisation
         (the reference reads sequence lengths on the host)."""
         if self.config.device.type != "cuda" or self.compiled is None:
+            return False
+        if not self.config.cuda_graphs:
             return False
         applied = self.compiled.pass_manager.match_counts
         return applied.get("paged_attention_triton", 0) > 0

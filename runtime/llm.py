@@ -27,6 +27,7 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         passes: str | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -41,6 +42,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
             passes=passes,
+            cuda_graphs=cuda_graphs,
         )
         self.engine = LLMEngine(config)
 
