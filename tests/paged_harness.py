@@ -12,12 +12,16 @@ from models.layers import AttentionMetadata
 
 
 class PagedHarness:
-    def __init__(self, model, block_size: int, num_blocks: int, seed: int = 0) -> None:
+    def __init__(self, model, block_size: int, num_blocks: int, seed: int = 0, forward=None):
         cfg = model.config
         self.model, self.block_size = model, block_size
-        dtype = next(model.parameters()).dtype
+        self.forward = forward or model  # e.g. a CompiledForward of the same model
+        param = next(model.parameters())
+        self.device = param.device
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=param.dtype, device=self.device) for _ in range(cfg.num_layers)
+        ]
         free = list(range(1, num_blocks))  # block 0 is the runtime's scratch block
         random.Random(seed).shuffle(free)
         self.free = free
@@ -47,14 +51,16 @@ class PagedHarness:
         block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=block_tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
-        with torch.no_grad():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+        with torch.inference_mode():
+            ids_t = torch.tensor(ids, device=dev)
+            hidden = self.forward(ids_t, torch.tensor(positions, device=dev), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
         return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
