@@ -1,0 +1,245 @@
+"""The Triton paged-attention kernel against `models.ops.paged_attention_ref`.
+
+CPU cases run under the Triton interpreter, which is switched on by TRITON_INTERPRET=1 read
+when `triton.jit` wraps a function, triton's own standard library included (at `import
+triton`). Setting the variable inside this process would therefore have to happen before
+anything imports triton, and would leak into every later test module of the session: on the
+GPU machine Inductor's kernels would turn into interpreted Python. So this process never sets
+it: `test_interpreter_cases_in_subprocess` runs the CPU cases of this file in a child pytest
+whose environment sets TRITON_INTERPRET=1 from its start. In that child, or in a session
+started with TRITON_INTERPRET=1, the CPU cases run in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels_generated import paged_attention as pa
+from models.ops import paged_attention_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+interpreted = pytest.mark.skipif(
+    not pa.INTERPRETED, reason="CPU case: runs in the TRITON_INTERPRET=1 child process"
+)
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or pa.INTERPRETED,
+    reason="needs CUDA (and compiled, not interpreted, Triton)",
+)
+
+# (q_lens, seq_lens, extra make_batch arguments). seq_len counts the step's new tokens.
+CASES = {
+    "decode": ([1, 1, 1, 1], [9, 17, 1, 40], {}),
+    "prefill": ([5, 7], [5, 7], {}),
+    "chunked_prefill": ([4, 3], [13, 30], {}),
+    "mixed": ([1, 6, 1, 3], [21, 6, 44, 13], {}),
+    "gqa_group4": ([1, 4, 1], [30, 9, 3], {"num_q_heads": 8}),
+    "mha": ([2, 1], [11, 35], {"num_q_heads": 2}),
+    # Padded as the runner pads to a captured size: spare table columns and blocks too.
+    "padded": ([1, 3, 1], [25, 3, 41], {"pad_tokens": 3, "pad_seqs": 2, "spare_blocks": 3}),
+    "empty_seq_between": ([2, 0, 1], [2, 5, 38], {}),
+}
+
+
+def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> pa.PagedBatch:
+    q_lens, seq_lens, extra = CASES[name]
+    extra = dict(extra)
+    if spare := extra.pop("spare_blocks", 0):
+        blocks = [-(-n // block_size) for n in seq_lens]
+        extra.update(table_width=max(blocks) + spare, num_blocks=1 + sum(blocks) + spare)
+    # Two head sizes: 32 in half precision, 16 in float32.
+    head_dim = 32 if dtype == torch.float16 else 16
+    return pa.make_batch(
+        q_lens,
+        seq_lens,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+        **{"num_q_heads": 4, **extra},
+    )
+
+
+# --------------------------------------------------------------------------- CPU (interpreter)
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["single", "split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case: str, block_size: int, dtype: torch.dtype, num_splits: int):
+    batch = _batch(case, block_size, dtype, seed=block_size)
+    atol = 1e-4 if dtype == torch.float32 else 2e-3
+    # check() also compares the KV cache written by the kernel with the reference's.
+    pa.check(batch, num_splits=num_splits, atol=atol)
+
+
+@interpreted
+def test_padding_tokens_are_zero_and_real_tokens_unaffected():
+    batch = _batch("padded", 3, torch.float32)
+    out = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), num_splits=2)
+    real = int(batch.query_start_loc[-1])
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+    assert out[:real].abs().sum() > 0
+
+
+@interpreted
+def test_split_partials_cover_many_splits():
+    # More splits than BLOCK_N-sized chunks of the shortest context: empty splits must drop out.
+    batch = pa.make_batch([1, 1], [70, 2], block_size=3)
+    for num_splits in (2, 5, 8):
+        pa.check(batch, num_splits=num_splits)
+
+
+@interpreted
+def test_custom_op_matches_reference_and_mutates_cache():
+    batch = _batch("mixed", 4, torch.float32)
+    cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = paged_attention_ref(*batch.args(cache_ref))
+    got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache_op, cache_ref)
+
+
+@interpreted
+def test_custom_op_traces_as_one_node():
+    # The op must sit in an FX graph as one opaque call with the cache mutation kept.
+    batch = _batch("decode", 4, torch.float32)
+
+    def step(*args):
+        return torch.ops.ce_kernels.paged_attention(*args) * 2
+
+    cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = paged_attention_ref(*batch.args(cache_ref)) * 2
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*batch.args(cache_op)), expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache_op, cache_ref)
+
+
+# --------------------------------------------------------------------------- anywhere
+
+
+def test_choose_num_splits_reads_shapes_only():
+    cpu = torch.device("cpu")
+    sms = pa._CPU_SM_COUNT
+    assert pa.choose_num_splits(sms, 1, 32768, cpu) == 1  # enough programs already
+    assert pa.choose_num_splits(1, 2, 32768, cpu) > 1  # one long decode: split
+    assert pa.choose_num_splits(1, 2, 16, cpu) == 1  # short context: nothing to split
+    assert pa.choose_num_splits(1, 1, 10**7, cpu) <= pa._MAX_SPLITS
+
+
+def test_rejects_unsupported_head_dim():
+    batch = pa.make_batch([1], [3], head_dim=16)
+    q = torch.zeros(1, 4, 24)
+    k = v = torch.zeros(1, 2, 24)
+    cache = torch.zeros(2, 2, 4, 2, 24)
+    with pytest.raises(pa.PagedAttentionKernelError, match="head_dim 24"):
+        pa.paged_attention_triton(
+            q, k, v, cache, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, 1.0,
+        )  # fmt: skip
+
+
+def test_interpreter_cases_in_subprocess():
+    if pa.INTERPRETED:
+        pytest.skip("this session is interpreted already: the CPU cases ran in-process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+        "-m", "not gpu", "-k", "not test_interpreter_cases_in_subprocess",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
+
+
+# ------------------------------------------------------------------------ GPU (bf16, real shapes)
+
+LLAMA8B = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
+
+
+def _gpu_compare(batch: pa.PagedBatch, num_splits: int | None = None) -> None:
+    cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = paged_attention_ref(*batch.args(cache_ref)).float()
+    got = pa.paged_attention_triton(*batch.args(cache_out), num_splits=num_splits).float()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item()
+    err = (got - expected).abs().max().item()
+    assert cos >= 0.999, f"cosine {cos}"
+    assert err < 2e-2, f"max abs err {err}"
+    assert torch.equal(cache_out, cache_ref)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("context", [512, 4096])
+@pytest.mark.parametrize("batch_size", [1, 64, 256])
+@pytest.mark.parametrize("num_splits", [None, 1, 8], ids=["auto", "single", "split8"])
+def test_gpu_decode_bf16(batch_size: int, context: int, num_splits: int | None):
+    batch = pa.make_batch(
+        [1] * batch_size, [context] * batch_size, dtype=torch.bfloat16, device="cuda", **LLAMA8B
+    )
+    _gpu_compare(batch, num_splits)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 4], ids=["auto", "split4"])
+def test_gpu_mixed_bf16(num_splits: int | None):
+    decode_lens = [int(x) for x in torch.randint(1, 3000, (62,), generator=torch.Generator())]
+    batch = pa.make_batch(
+        [512, 512] + [1] * 62,
+        [512, 1024] + decode_lens,
+        dtype=torch.bfloat16,
+        device="cuda",
+        **LLAMA8B,
+    )
+    _gpu_compare(batch, num_splits)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["auto", "single"])
+def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None):
+    # Captured on one batch, replayed on another of the same shapes: nothing value-dependent
+    # may be baked into the graph (grid, split ranges, sequence lookup).
+    shapes = dict(
+        pad_tokens=4, pad_seqs=2, table_width=64, num_blocks=256, dtype=torch.bfloat16,
+        device="cuda", **LLAMA8B,
+    )  # fmt: skip
+    first = pa.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
+    second = pa.make_batch([1, 1, 5, 1], [300, 2, 64, 17], seed=2, **shapes)
+
+    def run(b: pa.PagedBatch) -> torch.Tensor:
+        return pa.paged_attention_triton(*b.args(), num_splits=num_splits)
+
+    expected = {}
+    for name, b in (("first", first), ("second", second)):
+        cache = b.kv_cache.clone()
+        expected[name] = pa.paged_attention_triton(*b.args(cache), num_splits=num_splits)
+    static = pa.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(static)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    for name, b in (("first", first), ("second", second)):
+        for field in ("q", "k", "v", "kv_cache", "slot_mapping", "block_tables", "seq_lens"):
+            getattr(static, field).copy_(getattr(b, field))
+        static.query_start_loc.copy_(b.query_start_loc)
+        if name == "first":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = run(static)
+        graph.replay()
+        torch.cuda.synchronize()
+        real = int(b.query_start_loc[-1])
+        assert torch.equal(out[:real], expected[name][:real]), name
+        assert torch.equal(out[real:], torch.zeros_like(out[real:])), name
