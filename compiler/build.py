@@ -18,6 +18,7 @@ from compiler.artifact import Manifest, code_hash, device_description, model_fin
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
 from models.loader import load_model
+from models.tokenizer import SAVED_DIR, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ def build_artifact(
         dest = out / KERNELS_SUBDIR / Path(path).name
         shutil.copyfile(path, dest)
         kernels.append(str(dest.relative_to(out)))
+
+    tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out / SAVED_DIR))
 
     manifest = Manifest(
         model_path=str(loaded.source.path.resolve()),

@@ -19,6 +19,7 @@ from compiler.config import CompileConfig
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig
 from models.loader import LoadedModel, load_model
+from models.tokenizer import SAVED_DIR, load_tokenizer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import (
     ModelRunner,
@@ -154,7 +155,8 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = self._max_model_len(loaded.config, config.max_model_len)
-        self.tokenizer = load_tokenizer(loaded)
+        saved = Path(config.model) / SAVED_DIR if self.manifest is not None else None
+        self.tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path, saved)
         reserve = 0
         if device.type == "cuda" and config.num_kv_blocks is None:
             # Activations of the largest step, twice: once for eager/compiled steps and once
@@ -382,17 +384,3 @@ class LLMEngine:
         return RequestOutput(
             group.request_id, group.prompt, group.prompt_token_ids, outputs, finished
         )
-
-
-def load_tokenizer(loaded: LoadedModel):
-    """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
-    if loaded.source.kind == "gguf":
-        from models.gguf import GGUFCheckpoint
-
-        return GGUFCheckpoint(loaded.source.path).tokenizer()
-    directory = loaded.source.path
-    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(directory))

@@ -1,0 +1,59 @@
+"""The model's tokenizer: from an HF directory, from a GGUF file, or from where a previous load
+saved it.
+
+transformers builds a GGUF file's tokenizer by converting the vocabulary it stores (~7 s for
+SmolLM2's 49k tokens on 2 cores); the converted tokenizer is saved once per file under the
+engine's cache and loads from there in well under a second afterwards. Artifacts carry it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SAVED_DIR = "tokenizer"
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "compile-engine" / "tokenizers"
+
+
+def _gguf_key(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(
+        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def load_tokenizer(kind: str, path: Path, saved: Path | None = None):
+    """`kind` is "hf" or "gguf"; `saved` is a directory a previous load saved it to (an
+    artifact's). Returns None for an HF directory without tokenizer files (token-id prompts
+    only)."""
+    import transformers
+
+    if saved is not None and has_tokenizer(saved):
+        return transformers.AutoTokenizer.from_pretrained(str(saved))
+    if kind == "hf":
+        if not has_tokenizer(path):
+            return None
+        return transformers.AutoTokenizer.from_pretrained(str(path))
+    cached = _cache_root() / _gguf_key(path)
+    if has_tokenizer(cached):
+        return transformers.AutoTokenizer.from_pretrained(str(cached))
+    from models.gguf import GGUFCheckpoint
+
+    tokenizer = GGUFCheckpoint(path).tokenizer()
+    try:
+        tokenizer.save_pretrained(str(cached))
+    except OSError as exc:  # a read-only home: convert again next time
+        log.warning("could not cache the converted tokenizer in %s: %s", cached, exc)
+    return tokenizer
