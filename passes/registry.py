@@ -43,3 +43,4 @@ def load_all() -> None:
     """Import every pass module so that its @register runs (explicit, not at import of passes)."""
     import passes.lower_to_reference  # noqa: F401
     import passes.paged_attention  # noqa: F401
+    import passes.silu_and_mul_helion  # noqa: F401

@@ -1,0 +1,190 @@
+"""silu_and_mul in Helion: x [T, 2I] holding [gate | up] -> silu(gate) * up, [T, I].
+
+Lowers `ce::silu_and_mul` (reference: `models.ops.silu_and_mul_ref`). The op is one read of
+2I and one write of I elements per token, so it is bound by memory bandwidth; the kernel is a
+2-D tiling over (tokens, I) that Helion's autotuner shapes per target and shape class.
+
+Rounding follows the reference (HF's `F.silu(gate) * up` in the activation dtype): silu in
+float32, rounded to the activation dtype, then the product in that dtype. A kernel that kept
+the float32 silu for the product would be more accurate and differ from HF by one rounding.
+
+The gate and up halves are passed as two strided views of x (`x.chunk(2, -1)`), never copied:
+the kernel reads them with x's row stride.
+
+Running it:
+- `torch.ops.ce_kernels.silu_and_mul_helion(x)` is an opaque custom op (with a fake for
+  tracing), which is what lets Inductor and CUDA graphs treat the Helion launch as one call.
+  It picks the config for (target, I, bucketed T) from configs/silu_and_mul_helion.json by
+  nearest key; the token dimension is dynamic (`static_shapes=False`), so one compile per
+  config serves every token count of its 0/1/many class.
+- On CPU there is no compiled Helion backend: with `HELION_INTERPRET=1` (read when this module
+  is imported) the kernel body runs eagerly in PyTorch, which is how CI checks it. The Triton
+  source for any config is available without a GPU: `emit_triton(config)`.
+
+`check()` compares with the reference, `bench()` times it against the reference on a GPU;
+`python -m kernels_generated.silu_and_mul_helion` runs both.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import helion
+import helion.language as hl
+import torch
+from torch import Tensor
+
+from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
+from models.ops import silu_and_mul_ref
+
+CONFIG_FILE = CONFIG_DIR / "silu_and_mul_helion.json"
+# The only GPU target: a CUDA device is taken to be an H100/H200 (sm_90).
+_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
+
+
+class KernelUnavailableError(RuntimeError):
+    """The Helion kernel cannot run on this device; the message says what to do instead."""
+
+
+@helion.kernel(static_shapes=False)
+def silu_and_mul_kernel(gate: Tensor, up: Tensor) -> Tensor:
+    # Names inside a Helion kernel must not shadow this module's globals: Helion reads a
+    # global of the same name as a host variable the device loop may not assign.
+    num_tokens, inter = gate.size()
+    result = torch.empty([num_tokens, inter], dtype=gate.dtype, device=gate.device)
+    for tile_t, tile_i in hl.tile([num_tokens, inter]):
+        activated = torch.nn.functional.silu(gate[tile_t, tile_i].to(torch.float32))
+        result[tile_t, tile_i] = activated.to(up.dtype) * up[tile_t, tile_i]
+    return result
+
+
+def interpreted() -> bool:
+    """True when HELION_INTERPRET=1 was set at import: the kernel body runs as PyTorch."""
+    return silu_and_mul_kernel.settings.ref_mode != helion.RefMode.OFF
+
+
+@functools.cache
+def config_table() -> ConfigTable:
+    return ConfigTable.load(CONFIG_FILE)
+
+
+def shape_key(num_tokens: int, inter: int) -> dict[str, int]:
+    return {"I": inter, "T": bucket_tokens(num_tokens)}
+
+
+@functools.cache
+def config_for(target: str, num_tokens_bucket: int, inter: int) -> helion.Config:
+    """The config for a shape class (cached: the lookup runs once per class, not per call)."""
+    return helion.Config(**config_table().lookup(target, {"I": inter, "T": num_tokens_bucket}))
+
+
+def silu_and_mul_helion_impl(gate: Tensor, up: Tensor) -> Tensor:
+    """Launch the kernel on gate, up [T, I] with the configured tiling."""
+    if interpreted():
+        return silu_and_mul_kernel(gate, up)
+    if gate.device.type != "cuda":
+        raise KernelUnavailableError(
+            "the Helion silu_and_mul kernel runs compiled only on CUDA; on CPU set "
+            "HELION_INTERPRET=1 before importing it, or leave the silu_and_mul_helion pass off"
+        )
+    num_tokens, inter = gate.shape
+    if num_tokens == 0:
+        return gate.new_empty((0, inter))
+    config = config_for(_TARGET_OF_DEVICE[gate.device.type], bucket_tokens(num_tokens), inter)
+    bound = silu_and_mul_kernel.bind((gate, up))
+    return bound.compile_config(config, allow_print=False)(gate, up)
+
+
+@torch.library.custom_op("ce_kernels::silu_and_mul_helion", mutates_args=())
+def silu_and_mul_helion(x: Tensor) -> Tensor:
+    """x [..., 2I] holding [gate | up] -> silu(gate) * up, [..., I]."""
+    flat = x.reshape(-1, x.shape[-1])  # [T, 2I], a view for the model's 2-D activations
+    gate, up = flat.chunk(2, dim=-1)  # [T, I] each, strided views of x
+    return silu_and_mul_helion_impl(gate, up).view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@silu_and_mul_helion.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def emit_triton(
+    config: dict | helion.Config | None = None,
+    num_tokens: int = 4,
+    inter: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+) -> str:
+    """The Triton source Helion generates for `config` (default: the file's default), on
+    example tensors of any device: no GPU needed. Not available under HELION_INTERPRET=1."""
+    if interpreted():
+        raise KernelUnavailableError("no Triton source under HELION_INTERPRET=1 (eager mode)")
+    x = torch.empty(num_tokens, 2 * inter, dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    config = config if config is not None else config_table().default
+    if not isinstance(config, helion.Config):
+        config = helion.Config(**config)
+    return silu_and_mul_kernel.bind((gate, up)).to_triton_code(config)
+
+
+def check(
+    shapes: tuple[tuple[int, int], ...] | None = None, dtype: torch.dtype | None = None
+) -> float:
+    """Compare the custom op with the reference on this machine's device; return the largest
+    absolute error. CPU: small float32 shapes under HELION_INTERPRET=1. CUDA: real shapes in
+    bf16 (Llama-3-8B's I = 14336, SmolLM2's 1536). Tolerances are torch's defaults per dtype."""
+    device = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
+    if device == "cpu" and not interpreted():
+        raise KernelUnavailableError("check() on CPU needs HELION_INTERPRET=1 set at import")
+    if shapes is None:
+        shapes = ((1, 8), (5, 40), (33, 24)) if device == "cpu" else _REAL_SHAPES
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    worst = 0.0
+    gen = torch.Generator(device=device).manual_seed(0)
+    for num_tokens, inter in shapes:
+        x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=device, generator=gen)
+        got, want = silu_and_mul_helion(x), silu_and_mul_ref(x)
+        # Same roundings as the reference; only exp's last float32 bit may differ between
+        # Triton's libdevice and ATen, which can move a result by one ulp of `dtype`.
+        where = f"T={num_tokens}, I={inter}"
+        torch.testing.assert_close(got, want, msg=lambda m, where=where: f"{where}: {m}")
+        if got.numel():
+            worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
+_REAL_SHAPES = tuple((t, i) for i in (14336, 1536) for t in (1, 64, 256, 2048))
+
+
+def bench(shapes: tuple[tuple[int, int], ...] = _REAL_SHAPES) -> list[dict]:
+    """Microseconds and GB/s of the Helion op and of the eager reference, bf16 on CUDA.
+
+    This does not decide whether the pass should be on: Inductor fuses the reference into one
+    loop too, and only the end-to-end latency benchmark with and without the pass does."""
+    if not torch.cuda.is_available() or interpreted():
+        raise KernelUnavailableError("bench() needs a CUDA device and compiled Helion")
+    from triton.testing import do_bench
+
+    rows = []
+    for num_tokens, inter in shapes:
+        x = torch.randn(num_tokens, 2 * inter, dtype=torch.bfloat16, device="cuda")
+        moved = 3 * num_tokens * inter * x.element_size()  # read 2I, write I per token
+        row = {"T": num_tokens, "I": inter}
+        for name, fn in (("helion", silu_and_mul_helion), ("reference", silu_and_mul_ref)):
+            ms = do_bench(lambda fn=fn, x=x: fn(x))
+            row[f"{name}_us"] = round(ms * 1e3, 2)
+            row[f"{name}_gbs"] = round(moved / (ms * 1e-3) / 1e9, 1)
+        rows.append(row)
+        print(
+            f"T={num_tokens:5d} I={inter:6d}  helion {row['helion_us']:8.2f} us "
+            f"{row['helion_gbs']:7.1f} GB/s   reference {row['reference_us']:8.2f} us "
+            f"{row['reference_gbs']:7.1f} GB/s"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    print(f"check: max abs error {check()} ({time.perf_counter() - start:.1f} s)")
+    if torch.cuda.is_available() and not interpreted():
+        bench()

@@ -1,0 +1,112 @@
+"""Autotune the Helion silu_and_mul kernel on the GPU and write its configs file.
+
+Run on the H200 (the `h100` target), from the repository root:
+
+    HELION_AUTOTUNE_EFFORT=quick python -m kernels_generated.tune_silu_and_mul_helion
+
+For each shape class (I in 14336 for Llama-3-8B and 1536 for SmolLM2, T in 1, 64, 256, 2048)
+it runs Helion's autotuner on bf16 inputs, checks the winner against the reference, times it,
+and records it with its provenance (device, versions, date, time per call) in
+configs/silu_and_mul_helion.json under the target, marking the target tuned. Other targets
+in the file are left as they are. `--dry-run` prints the table without writing.
+
+HELION_AUTOTUNE_EFFORT (none | quick | full) is read when the kernel module is imported,
+which is why it is an environment variable and not a flag here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+
+from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs, bucket_tokens
+
+INTERS = (14336, 1536)
+TOKENS = (1, 64, 256, 2048)
+
+
+def tune(
+    target: str = "h100",
+    inters: tuple[int, ...] = INTERS,
+    tokens: tuple[int, ...] = TOKENS,
+    write: bool = True,
+) -> ConfigTable:
+    """Tune every (I, T) class on the current CUDA device; return (and write) the table."""
+    import helion
+    import triton
+    from triton.testing import do_bench
+
+    from kernels_generated import silu_and_mul_helion as k
+    from models.ops import silu_and_mul_ref
+
+    if not torch.cuda.is_available() or k.interpreted():
+        raise SystemExit("tuning needs a CUDA device and compiled Helion (HELION_INTERPRET unset)")
+    table = ConfigTable.load(k.CONFIG_FILE)
+    device_name = torch.cuda.get_device_name()
+    provenance = {
+        "device": device_name,
+        "dtype": "bfloat16",
+        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "helion": _helion_version(),
+            "cuda": torch.version.cuda,
+        },
+    }
+    entries = []
+    for inter in inters:
+        for num_tokens in tokens:
+            x = torch.randn(num_tokens, 2 * inter, dtype=torch.bfloat16, device="cuda")
+            gate, up = x.chunk(2, dim=-1)
+            config = k.silu_and_mul_kernel.bind((gate, up)).autotune((gate, up), force=True)
+            run = k.silu_and_mul_kernel.bind((gate, up)).compile_config(config, allow_print=False)
+            torch.testing.assert_close(run(gate, up), silu_and_mul_ref(x))
+            ms = do_bench(lambda run=run, gate=gate, up=up: run(gate, up))
+            default_run = k.silu_and_mul_kernel.bind((gate, up)).compile_config(
+                helion.Config(**table.default), allow_print=False
+            )
+            default_ms = do_bench(lambda r=default_run, gate=gate, up=up: r(gate, up))
+            key = {"I": inter, "T": bucket_tokens(num_tokens)}
+            info = {
+                **provenance,
+                "us": round(ms * 1e3, 3),
+                "default_us": round(default_ms * 1e3, 3),
+            }
+            entries.append(ConfigEntry(key, dict(config.config), info))
+            print(
+                f"I={inter:6d} T={num_tokens:5d}: {ms * 1e3:8.2f} us tuned, "
+                f"{default_ms * 1e3:8.2f} us default  {json.dumps(config.config)}",
+                flush=True,
+            )
+    table.targets[target] = TargetConfigs(
+        tuned=True, entries=entries, note=f"tuned on {device_name} by tune_silu_and_mul_helion"
+    )
+    if write:
+        print(f"wrote {table.save()}")
+    return table
+
+
+def _helion_version() -> str:
+    from importlib.metadata import version
+
+    return version("helion")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="h100")
+    parser.add_argument("--inters", type=int, nargs="+", default=list(INTERS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--dry-run", action="store_true", help="print, do not write the file")
+    args = parser.parse_args(argv)
+    tune(args.target, tuple(args.inters), tuple(args.tokens), write=not args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The pass authoring kit's test helpers: trace a tiny real model, count matches, compare
+numerics with the pass on and off. A pass's test is then a few lines:
+
+    gm = capture_graph("llama")
+    assert count_matches("my_pass", gm, PassContext("h100", torch.bfloat16)) == 2
+    assert_numerics_unchanged("my_pass", model_dir)
+
+This module ships with the package but is for tests: it imports the tiny-model and paged-cache
+helpers from the repository's tests/ directory inside the functions that need them, and never
+imports pytest, so importing it costs nothing and needs no test dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from passes.base import GraphPass, PassContext
+from passes.manager import PassManager
+from passes.registry import REGISTRY, load_all
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS_DIR = REPO_ROOT / "tests"
+
+
+class KitError(RuntimeError):
+    """The kit cannot do what was asked (no tests/ checkout, a pass that matched nothing)."""
+
+
+def tests_module(name: str):
+    """Import a helper module of the repository's tests/ (tiny_models, paged_harness)."""
+    if not (TESTS_DIR / f"{name}.py").is_file():
+        raise KitError(
+            f"tests/{name}.py not found under {REPO_ROOT}: the pass testing kit needs a source "
+            "checkout of compile-engine (pip install -e .), not an installed wheel"
+        )
+    if str(TESTS_DIR) not in sys.path:
+        sys.path.append(str(TESTS_DIR))
+    return importlib.import_module(name)
+
+
+def get_pass(pass_: str | GraphPass) -> GraphPass:
+    load_all()
+    if isinstance(pass_, GraphPass):
+        return pass_
+    if pass_ not in REGISTRY:
+        raise KitError(f"unknown pass {pass_!r}; registered: {', '.join(REGISTRY)}")
+    return REGISTRY[pass_]
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def make_model_dir(model_name: str, directory: Path | None = None, seed: int = 0) -> Path:
+    """Write the tiny random HF model `model_name` (tests/tiny_models.TINY_ARCHS) to
+    `directory` (default: a new temporary directory) and return the directory."""
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"ce-{model_name}-"))
+    tests_module("tiny_models").make_tiny_model(model_name, directory, seed=seed)
+    return directory
+
+
+def _record(graphs: list[fx.GraphModule]) -> Callable:
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def capture_graph(
+    model_name: str = "llama",
+    *,
+    model_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> fx.GraphModule:
+    """The whole-model FX graph exactly as our backend receives it from Dynamo (our ops as
+    single `torch.ops.ce.*` nodes, before any pass), for a tiny `model_name` or the model in
+    `model_dir`. Traced like CompiledForward.capture: same dummy batch, token dims dynamic,
+    floats specialised; the recording backend returns the graph uncompiled (no Inductor)."""
+    from compiler.compiled_model import _drop_all_guards, _own_code_object, dummy_batch
+    from models.loader import load_model
+
+    model_dir = model_dir or make_model_dir(model_name)
+    model = load_model(model_dir, dtype=dtype).model
+    cfg = model.config
+    kv_caches = [
+        torch.zeros(2, 2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+        for _ in range(cfg.num_layers)
+    ]
+    ids, positions, meta = dummy_batch(cfg.vocab_size, torch.device("cpu"))
+    for t in (ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
+        torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.mark_dynamic(meta.block_tables, 0)
+    torch._dynamo.mark_dynamic(meta.block_tables, 1)
+    graphs: list[fx.GraphModule] = []
+    fn = torch.compile(
+        _own_code_object(model.forward),  # a fresh code object: never reuse another trace
+        backend=_record(graphs),
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": _drop_all_guards},
+    )
+    with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
+        fn(ids, positions, kv_caches, meta)
+    if len(graphs) != 1:
+        raise KitError(f"expected one graph from Dynamo, got {len(graphs)}")
+    return graphs[0]
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose graph a pass may rewrite; parameters and buffers are shared, not copied."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def count_matches(pass_: str | GraphPass, graph: fx.GraphModule, ctx: PassContext) -> int:
+    """How many matches `pass_` rewrites in (a copy of) `graph` under `ctx`, as the pass
+    manager would count them: 0 where the pass does not apply. The rewritten copy must still
+    be a valid graph."""
+    pass_ = get_pass(pass_)
+    gm = copy_graph(graph)
+    manager = PassManager([pass_], ctx)
+    manager(gm.graph)
+    gm.recompile()
+    return manager.match_counts[pass_.name]
+
+
+def apply_pass(pass_: str | GraphPass, graph: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """A rewritten copy of `graph`, for tests that look at what the pass emitted."""
+    gm = copy_graph(graph)
+    PassManager([get_pass(pass_)], ctx)(gm.graph)
+    gm.recompile()
+    return gm
+
+
+def targets_of(graph: fx.GraphModule) -> list:
+    """The call_function targets of `graph`, in order (what a pass retargeted shows here)."""
+    return [n.target for n in graph.graph.nodes if n.op == "call_function"]
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+class _CompiledModel:
+    """What PagedHarness needs of a model, with forward replaced by a compiled one."""
+
+    def __init__(self, model: torch.nn.Module, forward: Callable) -> None:
+        self.model, self.forward, self.config = model, forward, model.config
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return self.model.parameters()
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def _eager_piece(gm: fx.GraphModule, args: list) -> Callable:
+    return gm
+
+
+def compiled_logits(
+    model_dir: str | Path,
+    passes: list[GraphPass],
+    ctx: PassContext,
+    *,
+    inductor: bool = False,
+    sequences: list[list[int]] | None = None,
+    prefill_chunk: int = 5,
+    decode_tail: int = 3,
+) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """Per-sequence logits of the model in `model_dir` compiled with exactly `passes`, driven
+    through the paged cache by a packed, chunked schedule (tests/paged_harness.run_schedule).
+
+    The capture, pass manager and piecewise split are CompiledForward's; only the pass list
+    is set here, because `--passes` always adds lower_to_reference and so could never switch
+    that pass off. With `inductor=False` each piece runs as its rewritten FX graph (seconds);
+    with `inductor=True` Inductor compiles the pieces as in a build (tens of seconds on CPU).
+    Returns the logits and the pass manager's match counts.
+    """
+    from compiler.compiled_model import CompiledForward
+    from compiler.config import CompileConfig
+    from models.loader import load_model
+
+    harness_mod = tests_module("paged_harness")
+    loaded = load_model(model_dir, dtype=ctx.dtype)
+    compiled = CompiledForward(loaded.model, CompileConfig(target=ctx.target), ctx.dtype)
+    manager = PassManager(list(passes), ctx)
+    compiled.pass_manager = compiled.backend.pass_manager = manager
+    if not inductor:
+        compiled.backend.compile_piece = _eager_piece
+    harness = harness_mod.PagedHarness(
+        _CompiledModel(loaded.model, compiled), block_size=4, num_blocks=64
+    )
+    cfg = loaded.config
+    compiled.capture(harness.kv_caches)
+    if sequences is None:
+        gen = torch.Generator().manual_seed(0)
+        sequences = [
+            torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (13, 6, 21)
+        ]
+    logits = harness_mod.run_schedule(harness, sequences, prefill_chunk, decode_tail)
+    if compiled.recompilations:
+        raise KitError(f"the schedule recompiled the graph {compiled.recompilations} times")
+    return logits, dict(manager.match_counts)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|: the measure of tests/models' HF comparisons."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def assert_numerics_unchanged(
+    pass_name: str,
+    model_dir: str | Path,
+    *,
+    target: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    rtol: float = 1e-4,
+    inductor: bool = False,
+    sequences: list[list[int]] | None = None,
+) -> dict[str, float]:
+    """Logits with the pass on equal those with it off (no passes at all, so the ops run
+    their references), within `rtol` relative to the largest logit, over a packed chunked
+    schedule. Fails too if the pass matched nothing: a comparison of two identical graphs
+    proves nothing. Returns {"matches": n, "max_relative_error": e} for the test to report."""
+    pass_ = get_pass(pass_name)
+    ctx = PassContext(target, dtype)
+    if not pass_.applies(ctx):
+        raise KitError(f"pass {pass_.name} does not apply to target {target} in {dtype}")
+    on, counts = compiled_logits(model_dir, [pass_], ctx, inductor=inductor, sequences=sequences)
+    matches = counts[pass_.name]
+    if matches == 0:
+        raise KitError(f"pass {pass_.name} matched nothing in {model_dir}: nothing to compare")
+    off, _ = compiled_logits(model_dir, [], ctx, inductor=inductor, sequences=sequences)
+    worst = max(relative_error(a, b) for a, b in zip(on, off, strict=True))
+    if worst > rtol:
+        raise AssertionError(
+            f"pass {pass_.name}: logits with the pass differ from without it by {worst:.2e} "
+            f"(relative), above rtol {rtol:.0e}"
+        )
+    return {"max_relative_error": worst, "matches": matches}
+
+
+# --------------------------------------------------------------------------- interpreters
+
+
+def run_interpreted(
+    test_file: str | Path, env_var: str, *pytest_args: str, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run `test_file`'s tests in a child pytest with `env_var`=1 (HELION_INTERPRET or
+    TRITON_INTERPRET). Both are read when a kernel is defined, and both would leak into every
+    later test of this process (on the GPU machine, turning compiled kernels into Python), so
+    the interpreted CPU cases run in a child whose environment has the variable from its start.
+    The two interpreters refuse each other, so the child drops the other one."""
+    env = {**os.environ, env_var: "1", "PYTHONUNBUFFERED": "1"}
+    for other in ("HELION_INTERPRET", "TRITON_INTERPRET"):
+        if other != env_var:
+            env.pop(other, None)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)]
+    return subprocess.run(
+        [*command, *pytest_args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,31 @@
+"""paged_attention_triton: one match per layer on h100, none on cpu.
+
+The kernel is tested in tests/kernels/test_paged_attention.py; it runs on CPU only under the
+Triton interpreter, so here the pass's rewrite is checked in the graph without running it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from passes.base import PassContext
+from passes.testing import apply_pass, capture_graph, count_matches, targets_of
+
+LAYERS = 2  # tests/tiny_models
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_graph("llama")
+
+
+def test_one_match_per_layer_on_h100(graph):
+    ctx = PassContext("h100", torch.bfloat16)
+    assert count_matches("paged_attention_triton", graph, ctx) == LAYERS
+    targets = targets_of(apply_pass("paged_attention_triton", graph, ctx))
+    assert torch.ops.ce.paged_attention.default not in targets
+    assert targets.count(torch.ops.ce_kernels.paged_attention.default) == LAYERS
+
+
+def test_does_not_apply_on_cpu(graph):
+    assert count_matches("paged_attention_triton", graph, PassContext("cpu", torch.float32)) == 0
