@@ -42,6 +42,7 @@ print("RESULT " + json.dumps({
     "num_graphs": len(graphs.graphs) if graphs else 0,
     "graph_pool_gib": graphs.pool_bytes / 2**30 if graphs else 0,
     "pieces": stats["pieces"] if stats else [],
+    "engine_timings": e.timings,
 }))
 """
 

@@ -5,6 +5,8 @@
       inductor-cache/      Inductor's FX-graph and AOTAutograd caches plus the compiled C++
                            libraries (CPU) or Triton cubins (GPU) of every piece
       kernels/<key>.py     the generated code of each compiled piece, readable
+      tokenizer/           the model's tokenizer, saved (a GGUF's needs no conversion again)
+      weights/             only for GGUF sources: the dequantised weights as safetensors
 
 Why a cache directory and not `standalone_compile(...).save()` or the mega-cache: on CPU both
 re-run g++ on every kernel at load (the compiled libraries are not in them), measured on
@@ -18,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,16 +69,16 @@ def device_description(target: str) -> str:
 
 
 def versions() -> dict[str, str]:
+    """Installed versions, read from package metadata (importing helion or triton to ask would
+    cost seconds at every load)."""
+    from importlib import metadata
+
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("triton", "helion", "transformers"):
-        module = sys.modules.get(name)
-        if module is None:
-            try:
-                module = __import__(name)
-            except Exception:  # noqa: BLE001 - absent or broken: recorded as such
-                out[name] = "absent"
-                continue
-        out[name] = getattr(module, "__version__", "unknown")
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
     return out
 
 
@@ -99,6 +100,8 @@ class Manifest:
     kernels: list[str]
     timings: dict[str, float]
     capture_sizes: list[int] = field(default_factory=list)
+    # Set when the source needed conversion (GGUF): an HF directory inside the artifact.
+    weights_path: str | None = None
     format: int = FORMAT_VERSION
     engine_version: str = ENGINE_VERSION
 

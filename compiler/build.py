@@ -17,12 +17,13 @@ import torch
 from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
-from models.loader import load_model
+from models.loader import export_hf_checkpoint, load_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 CACHE_SUBDIR = "inductor-cache"
+WEIGHTS_SUBDIR = "weights"
 KERNELS_SUBDIR = "kernels"
 
 
@@ -83,6 +84,11 @@ def build_artifact(
         shutil.copyfile(path, dest)
         kernels.append(str(dest.relative_to(out)))
 
+    weights_path = None
+    if loaded.source.kind == "gguf":
+        # GGUF needs parsing and dequantisation at every load; the artifact keeps the result.
+        export_hf_checkpoint(loaded.model, loaded.hf_config, out / WEIGHTS_SUBDIR)
+        weights_path = WEIGHTS_SUBDIR
     tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out / SAVED_DIR))
@@ -91,6 +97,7 @@ def build_artifact(
         model_path=str(loaded.source.path.resolve()),
         model_kind=loaded.source.kind,
         model_fingerprint=model_fingerprint(loaded.source.path),
+        weights_path=weights_path,
         architecture=cfg.architecture,
         dtype=str(loaded.dtype).removeprefix("torch."),
         target=target,

@@ -161,6 +161,30 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")
 
 
+def export_hf_checkpoint(model: nn.Module, hf_config, directory: Path) -> Path:
+    """Write the model as an HF safetensors directory (fused parameters split back into the
+    checkpoint's projections through the same packed_modules table): what a converted
+    checkpoint (GGUF) becomes inside an artifact, so that loading it needs no conversion."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            if isinstance(module, FusedLinear):
+                parent = module_name.rpartition(".")[0]
+                for shard, (start, end) in module.offsets.items():
+                    tensors[f"{parent}.{shard}.{pname}".lstrip(".")] = param[start:end]
+            else:
+                tensors[full] = param
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(str(directory))
+    return directory
+
+
 @dataclass(slots=True)
 class LoadedModel:
     model: nn.Module

@@ -144,6 +144,8 @@ class LLMEngine:
                     f"{config.target}; {manifest.rebuild_hint(artifact)}"
                 )
             model, dtype = manifest.model_path, manifest.dtype
+            if manifest.weights_path:
+                model = str(artifact / manifest.weights_path)
             cache_dir = artifact / "inductor-cache"
             passes = ",".join(p["name"] for p in manifest.passes)
             if config.max_model_len is None:
@@ -152,11 +154,15 @@ class LLMEngine:
             loaded = load_model(
                 model, dtype=dtype, device=device, max_model_len=config.max_model_len
             )
+        self.timings = {"weights_s": time.perf_counter() - t0}
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = self._max_model_len(loaded.config, config.max_model_len)
         saved = Path(config.model) / SAVED_DIR if self.manifest is not None else None
+        mark = time.perf_counter()
         self.tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path, saved)
+        self.timings["tokenizer_s"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         reserve = 0
         if device.type == "cuda" and config.num_kv_blocks is None:
             # Activations of the largest step, twice: once for eager/compiled steps and once
@@ -189,11 +195,13 @@ class LLMEngine:
             device=device,
             seed=config.seed,
         )
+        self.timings["kv_cache_s"] = time.perf_counter() - mark
         self.compiled: CompiledForward | None = None
         if not config.enforce_eager:
             compile_config = CompileConfig(target=config.target, passes=passes, cache_dir=cache_dir)
             self.compiled = CompiledForward(loaded.model, compile_config, loaded.dtype)
             self.compiled.capture(self.runner.kv_caches)
+            self.timings["compile_s"] = self.compiled.capture_seconds
             self.runner.forward = self.compiled
             if self._graphs_possible():
                 self.runner.graphs = CUDAGraphRunner(
@@ -207,6 +215,8 @@ class LLMEngine:
                     device=device,
                 )
                 self.runner.graphs.capture()
+                self.timings["cuda_graphs_s"] = self.runner.graphs.capture_seconds
+        self.timings["ready_s"] = time.perf_counter() - t0
         eos = loaded.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
         self.groups: dict[str, _Group] = {}
