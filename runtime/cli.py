@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_inspect)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: latency, throughput, kv-waste, make-model, render",
+        "bench",
+        help="benchmarks: latency, throughput, startup, kv-waste, make-model, render",
         add_help=False,
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
