@@ -14,9 +14,6 @@ pytestmark = [
 ]
 
 
-FINAL_NORM = 8.0
-
-
 @pytest.fixture(scope="module")
 def llama8b_4layers(tmp_path_factory):
     from benchmarks.make_model import make_model
@@ -25,6 +22,10 @@ def llama8b_4layers(tmp_path_factory):
 
 
 def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers):
+    """Teacher-forced logits over 512 positions against HF bf16. With random weights the
+    logits over 128k tokens are nearly flat, so bf16 rounding flips near-ties in HF itself: the
+    top-1 bar is therefore HF bf16's own agreement with HF float32 (the noise floor), and ours
+    must be no further from float32 than HF's bf16 is."""
     import transformers
 
     from compiler.compiled_model import CompiledForward
@@ -33,32 +34,39 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers):
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128256, (512,), generator=gen).tolist()
-    hf = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            str(llama8b_4layers), dtype=torch.bfloat16
+    ids = torch.tensor([tokens], device="cuda")
+    logits = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        hf = (
+            transformers.AutoModelForCausalLM.from_pretrained(str(llama8b_4layers), dtype=dtype)
+            .cuda()
+            .eval()
         )
-        .cuda()
-        .eval()
-    )
-    with torch.no_grad():
-        want = hf(torch.tensor([tokens], device="cuda")).logits[0].float()
-    del hf
+        with torch.no_grad():
+            logits[name] = hf(ids).logits[0].float()
+        del hf
     loaded = load_model(llama8b_4layers, dtype="bfloat16", device="cuda")
-    with torch.no_grad():
-        loaded.model.model.norm.weight.fill_(FINAL_NORM)
     harness = PagedHarness(loaded.model, block_size=16, num_blocks=64)
     compiled = CompiledForward(loaded.model, CompileConfig(target="h100"), torch.bfloat16)
     compiled.capture(harness.kv_caches)
     assert compiled.pass_manager.match_counts["paged_attention_triton"] == 4
     harness.forward = compiled
     # 448 tokens of chunked prefill, then 64 decode steps: both kernel paths.
-    (got,) = run_schedule(harness, [tokens], prefill_chunk=128, decode_tail=64)
-    got = got.float()
-    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-    print(f"top-1 agreement {top1:.4f}, cosine mean {cosine.mean():.5f} min {cosine.min():.5f}")
-    assert top1 >= 0.99
+    (ours,) = run_schedule(harness, [tokens], prefill_chunk=128, decode_tail=64)
+    ours = ours.float()
+
+    def top1(a, b):
+        return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+    cosine = torch.nn.functional.cosine_similarity(ours, logits["bf16"], dim=-1)
+    agree_hf, floor = top1(ours, logits["bf16"]), top1(logits["bf16"], logits["fp32"])
+    ours_fp32 = top1(ours, logits["fp32"])
+    print(
+        f"top-1 vs HF bf16 {agree_hf:.4f}; vs HF fp32: ours {ours_fp32:.4f}, HF bf16 {floor:.4f}; "
+        f"cosine vs HF bf16 mean {cosine.mean():.5f} min {cosine.min():.5f}"
+    )
     assert cosine.mean().item() >= 0.999
+    assert ours_fp32 >= floor - 0.02
 
 
 def test_cuda_graph_replay_matches_compiled_without_graphs(llama8b_4layers):
