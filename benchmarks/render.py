@@ -1,8 +1,12 @@
 """`bench render`: docs/performance.md from every JSON in benchmarks/results/.
 
-The page is generated; edit this file, not the page. One column per (device, commit), merging
-the runs of that pair (the latest run wins a key both wrote), beside the peers' numbers that
-BRIEF.md records for the H200, then per-run details and the exact command of each run.
+The page is generated; edit this file, not the page. One column per (device, commit, model,
+variant), merging the runs of that group (the latest run wins a key both wrote), beside the
+peers' numbers that BRIEF.md records for the H200, then per-run details and the exact command of
+each run. A run written under a custom `--name` (e.g. `latency-nographs`) is a variant with its
+own column, so a graphs-off run never overwrites the graphs-on numbers. An artifact that a
+startup run built (`--out DIR`) counts as the model it was built from, so runs that loaded it
+share that model's column.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ LABELS = {
     "startup_ready_s": "serve ready (warm), s",
 }
 
+# Headline rows beyond FLAT_KEYS, read from the runs that carry them.
+EXTRA_LABELS = {"cold_build_s": "cold build / cold start, s"}
+
 # Measured by peers on the same H200 on 2026-11-29, Llama-3-8B shape, bf16 (BRIEF.md, issue 7).
 REFERENCES: dict[str, dict[str, str]] = {
     "static-cache torch.compile (H200)": {
@@ -33,13 +40,15 @@ REFERENCES: dict[str, dict[str, str]] = {
         "decode_bs64_tok_s": "6,572",
         "decode_bs256_tok_s": "10,629",
         "startup_ready_s": "104 (compiles every start)",
+        "cold_build_s": "104 (every start)",
     },
     "vLLM 0.26.0 (H200)": {
         "decode_bs1_tok_s": "204",
         "decode_bs64_tok_s": "10,250",
         "decode_bs256_tok_s": "21,428",
         "offline_output_tok_s": "9,778",
-        "startup_ready_s": "46 warm / 162 cold",
+        "startup_ready_s": "46",
+        "cold_build_s": "162",
     },
     "target (H200)": {
         "decode_bs1_tok_s": ">= 250",
@@ -47,6 +56,7 @@ REFERENCES: dict[str, dict[str, str]] = {
         "decode_bs256_tok_s": ">= 30,000",
         "offline_output_tok_s": ">= 12,500",
         "startup_ready_s": "<= 10 + weight read",
+        "cold_build_s": "<= 90 (build)",
     },
 }
 
@@ -60,16 +70,56 @@ def load_results(directory: str | Path) -> list[dict]:
     return sorted(results, key=lambda r: r.get("timestamp", ""))
 
 
-def _group_key(r: dict) -> tuple[str, str, str]:
-    """(device, commit, model): numbers of different models never share a column."""
-    commit = r.get("commit", "unknown")[:12] + ("-dirty" if r.get("dirty") else "")
-    model = Path(str(r.get("model", "?"))).name
-    return r.get("device", {}).get("name", "?"), commit, model
+def _commit(r: dict) -> str:
+    return r.get("commit", "unknown")[:12] + ("-dirty" if r.get("dirty") else "")
 
 
-def _title(key: tuple[str, str, str]) -> str:
-    dev, commit, model = key
-    return f"{dev} @ `{commit}`, {model}"
+def _device(r: dict) -> str:
+    return r.get("device", {}).get("name", "?")
+
+
+def _kind(r: dict) -> str:
+    return str(r.get("benchmark") or r.get("name") or "?").replace("-", "_")
+
+
+def _variant(r: dict) -> str:
+    """The run's `--name` when it is not the benchmark's own (latency-nographs), else ''."""
+    name = str(r.get("name") or "")
+    return name if name and name.replace("-", "_") != _kind(r) else ""
+
+
+def _option(r: dict, flag: str) -> str | None:
+    command = r.get("command", "")
+    args = command if isinstance(command, list) else shlex.split(str(command))
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def artifact_aliases(results: list[dict]) -> dict[tuple[str, str, str], str]:
+    """(device, commit, artifact name) -> the model it was built from, read off startup runs."""
+    aliases = {}
+    for r in results:
+        out = _option(r, "--out") if _kind(r) == "startup" else None
+        if out and r.get("model"):
+            aliases[_device(r), _commit(r), Path(out).name] = Path(str(r["model"])).name
+    return aliases
+
+
+def _group_key(r: dict, aliases: dict | None = None) -> tuple[str, str, str, str]:
+    """(device, commit, model, variant): numbers of different models never share a column."""
+    dev, commit = _device(r), _commit(r)
+    model = Path(str(r["model"])).name if "model" in r else "no model (op benchmark)"
+    model = (aliases or {}).get((dev, commit, model), model)
+    return dev, commit, model, _variant(r)
+
+
+def _title(key: tuple[str, str, str, str]) -> str:
+    dev, commit, model, variant = key
+    return f"{dev} @ `{commit}`, {model}" + (f" ({variant})" if variant else "")
 
 
 def _command(r: dict) -> str:
@@ -99,9 +149,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(results: list[dict]) -> str:
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+    aliases = artifact_aliases(results)
+    groups: dict[tuple[str, str, str, str], list[dict]] = {}
     for r in results:  # oldest first, so later runs overwrite earlier keys below
-        groups.setdefault(_group_key(r), []).append(r)
+        groups.setdefault(_group_key(r, aliases), []).append(r)
     lines = [
         "# Performance",
         "",
@@ -109,21 +160,28 @@ def render(results: list[dict]) -> str:
         "edit by hand. The protocol (what each benchmark measures, the exact commands) is in",
         "[benchmarks.md](benchmarks.md). Reference columns are the peers' numbers that BRIEF.md",
         "records for one H200 with Llama-3-8B-shaped random bf16 weights; a column of ours is",
-        "comparable to them only when its device is an H200 and its model that shape.",
+        "comparable to them only when its device is an H200 and its model that shape. Each",
+        "column is one (device, commit, model) and, where a run was named apart (such as",
+        "`latency-nographs`), that variant; the sections below give each run's model, settings",
+        "and versions.",
         "",
         "## Headline numbers",
         "",
     ]
+    keys = [*FLAT_KEYS, *EXTRA_LABELS]
+    labels = {**LABELS, **EXTRA_LABELS}
     merged = {}
     for key, runs in groups.items():
         values: dict = {}
         for r in runs:
-            values.update({k: r[k] for k in FLAT_KEYS if k in r})
+            values.update({k: r[k] for k in keys if k in r})
         merged[key] = values
-    header = ["metric"] + [_title(g) for g in groups] + list(REFERENCES)
+    # Columns with no headline number (kv waste, kernel benchmarks) are detailed below only.
+    columns = [g for g in groups if merged[g]]
+    header = ["metric"] + [_title(g) for g in columns] + list(REFERENCES)
     rows = []
-    for k in FLAT_KEYS:
-        row = [LABELS[k]] + [_fmt(merged[g].get(k)) for g in groups]
+    for k in keys:
+        row = [labels[k]] + [_fmt(merged[g].get(k)) for g in columns]
         row += [ref.get(k, "—") for ref in REFERENCES.values()]
         rows.append(row)
     lines += _table(header, rows)
@@ -133,6 +191,10 @@ def render(results: list[dict]) -> str:
     for key, runs in groups.items():
         lines += ["", f"## {_title(key)}", ""]
         for r in runs:
+            name = Path(str(r.get("model", ""))).name
+            if name and name != key[2]:
+                built = f"`{r['model']}` is the artifact built from `{key[2]}` (see startup)."
+                lines += [built, ""]
             lines += _details(r)
     lines += ["## Commands", ""]
     for r in results:
@@ -141,25 +203,56 @@ def render(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _versions(r: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
+
+
 def _model_line(r: dict) -> str:
     m = r.get("model_config", {})
     e = r.get("engine", {})
     if not m:
-        return ""
+        what = f"Model `{r['model']}`, target {r.get('target', '?')}. " if "model" in r else ""
+        return f"{what}Versions: {_versions(r)}." if r.get("versions") else what
     return (
         f"Model `{r.get('model', '?')}`: {m.get('architecture')}, {m.get('num_layers')} layers, "
         f"hidden {m.get('hidden_size')}, {m.get('num_heads')}/{m.get('num_kv_heads')} heads; "
         f"{e.get('dtype')} on {e.get('target')}, block {e.get('block_size')}, "
         f"{e.get('num_kv_blocks')} KV blocks, max_num_seqs {e.get('max_num_seqs')}, "
-        f"eager {e.get('enforce_eager')}. Versions: "
-        + ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
-        + "."
+        f"eager {e.get('enforce_eager')}. Versions: {_versions(r)}."
     )
 
 
+def _engine_line(r: dict) -> str:
+    """How the runs' engine was compiled: passes, pieces, CUDA graphs, start-up time."""
+    e = r.get("engine", {})
+    if not e.get("compiled"):
+        return ""
+    c = e.get("compile") or {}
+    passes = ", ".join(f"{p['name']} {p['matches']}" for p in e.get("passes", []) if p["applies"])
+    g = e.get("cuda_graphs")
+    if g:
+        sizes = g["capture_sizes"]
+        graphs = (
+            f"{g['num_graphs']} CUDA graphs ({sizes[0]}..{sizes[-1]} tokens) captured in "
+            f"{g['capture_seconds']:.1f} s, pool {g['pool_gib']:.3f} GiB"
+        )
+    else:
+        graphs = "no CUDA graphs"
+    text = (
+        f"Compiled: {c.get('num_pieces')} pieces ({c.get('num_attention_pieces')} attention, "
+        f"{c.get('num_compiled_pieces')} compiled by Inductor), {c.get('compilations')} "
+        f"Dynamo compilation(s); pass matches: {passes or 'none'}; {graphs}."
+    )
+    if "llm_init_s" in r:
+        text += f" `LLM(...)` ready in {r['llm_init_s']:.1f} s."
+    return text
+
+
 def _details(r: dict) -> list[str]:
-    kind = r.get("benchmark", r.get("name", "?"))
+    kind = _kind(r)
     lines = [f"### {kind} (`{r['_file']}`)", "", _model_line(r), ""]
+    if engine := _engine_line(r):
+        lines += [engine, ""]
     if kind == "latency":
         lines.append(
             f"Prompt {r['input_len']}, {r['output_len']} new tokens, greedy; median of "
@@ -229,10 +322,112 @@ def _details(r: dict) -> list[str]:
                 ],
             ],
         )
+    elif kind == "startup":
+        lines += _startup(r)
+    elif kind == "paged_attention":
+        lines += _paged_attention(r)
     else:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []
     return [*lines, ""]
+
+
+def _seconds(value) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _startup(r: dict) -> list[str]:
+    build, ready = r.get("build_timings", {}), r.get("ready_breakdown", {})
+    engine = ready.get("engine_timings") or {}
+    c = r.get("build_compile", {})
+    lines = [
+        "Two processes, as a user runs them: `compile-engine build` into an empty artifact "
+        "(fresh Inductor cache), then a new process constructing `LLM(artifact)` until it is "
+        "ready to serve (from interpreter start).",
+        "",
+    ]
+    rows = [
+        ["cold build (whole process)", _seconds(r.get("cold_build_s"))],
+        ["  load weights", _seconds(build.get("load_s"))],
+        ["  Dynamo trace + passes", _seconds(build.get("trace_and_passes_s"))],
+        ["  Inductor compile", _seconds(build.get("compile_s"))],
+        ["  build total (in process)", _seconds(build.get("total_s"))],
+        ["ready from the artifact (whole process)", _seconds(r.get("startup_ready_s"))],
+        ["  Python start + `import runtime`", _seconds(ready.get("import_s"))],
+    ]
+    for key, label in (
+        ("weights_s", "weights"),
+        ("tokenizer_s", "tokenizer"),
+        ("kv_cache_s", "memory profile + KV cache allocation"),
+    ):
+        if key in engine:
+            rows.append([f"  {label}", _seconds(engine[key])])
+    rows.append(
+        ["  trace + compile from the artifact", _seconds(ready.get("compile_from_artifact_s"))]
+    )
+    if ready.get("graph_capture_s") is not None:
+        rows.append(["  CUDA graph capture", _seconds(ready["graph_capture_s"])])
+    if not engine:
+        rows.append(["  (weights, tokenizer, KV cache: not split out by this run)", "—"])
+    lines += _table(["stage", "seconds"], rows)
+    pieces = "; ".join(
+        f"{p['nodes']} nodes {p['seconds']:.2f} s, used x{p['reused_by'] + 1}"
+        for p in c.get("pieces", [])
+    )
+    graphs = "no CUDA graphs"
+    if ready.get("num_graphs"):
+        graphs = f"{ready['num_graphs']} CUDA graphs in a {ready['graph_pool_gib']:.3f} GiB pool"
+    lines += [
+        "",
+        f"Build: {c.get('num_pieces')} pieces ({c.get('num_attention_pieces')} attention), "
+        f"{c.get('num_compiled_pieces')} compiled by Inductor ({pieces}). At load: "
+        f"{r.get('inductor_compiles_at_load')} Inductor compiles, {graphs}; ready / cold build "
+        f"= {r.get('load_over_cold_build')}.",
+    ]
+    return lines
+
+
+def _paged_attention(r: dict) -> list[str]:
+    s = r.get("shapes", {})
+    lines = [
+        f"Decode (q_len {s.get('q_len')}), {s.get('dtype')}, {s.get('num_q_heads')} query / "
+        f"{s.get('num_kv_heads')} KV heads, head_dim {s.get('head_dim')}, block "
+        f"{s.get('block_size')}. Bytes counted: {r.get('bytes_counted')}; % of the "
+        f"{r.get('peak_gb_s'):,.0f} GB/s copy rate. Timing: {r.get('timing')} "
+        f"({r.get('iters')} iters).",
+        "",
+    ]
+    rows = []
+    for x in r.get("rows", []):
+        ours, eager, ref = x["ours"], x.get("ours_eager", {}), x["reference"]
+        rows.append(
+            [
+                str(x["batch"]),
+                f"{x['context']:,}",
+                str(x["num_splits"]),
+                f"{ours['ms']:.3f}",
+                f"{ours['gb_s']:,.0f}",
+                f"{ours['pct_of_peak']:.1f}%",
+                f"{eager['ms']:.3f}" if eager else "—",
+                f"{ref['ms']:.3f}",
+                f"{x['speedup']:.1f}x",
+            ]
+        )
+    lines += _table(
+        [
+            "batch",
+            "context",
+            "splits",
+            "ours ms (graph)",
+            "ours GB/s",
+            "of copy rate",
+            "ours ms (launches)",
+            "reference ms",
+            "speed-up",
+        ],
+        rows,
+    )
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
