@@ -25,9 +25,8 @@ from models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-interpreted = pytest.mark.skipif(
-    not pa.INTERPRETED, reason="CPU case: runs in the TRITON_INTERPRET=1 child process"
-)
+# CPU cases run in the TRITON_INTERPRET=1 child; the parent deselects them (tests/conftest.py).
+interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or pa.INTERPRETED,
     reason="needs CUDA (and compiled, not interpreted, Triton)",

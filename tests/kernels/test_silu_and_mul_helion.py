@@ -23,9 +23,8 @@ import helion  # noqa: E402
 from kernels_generated import silu_and_mul_helion as k  # noqa: E402
 
 INTERPRETED = k.interpreted()
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="CPU case: runs in the HELION_INTERPRET=1 child process"
-)
+# CPU cases run in the HELION_INTERPRET=1 child; the parent deselects them (tests/conftest.py).
+interpreted = pytest.mark.interpreted_child("HELION_INTERPRET")
 compiled_mode = pytest.mark.skipif(INTERPRETED, reason="needs Helion's compiled mode")
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled Helion"

@@ -58,7 +58,7 @@ def test_off_by_default_and_selectable():
     assert chosen.index("silu_and_mul_helion") < chosen.index("lower_to_reference")
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="runs in the HELION_INTERPRET=1 child process")
+@pytest.mark.interpreted_child("HELION_INTERPRET")
 def test_interpreted_numerics_unchanged(tmp_path):
     # float16 on CPU: the pass applies to half precision only, and the eager kernel rounds
     # exactly as the reference does, so the tolerance stays the float32 one.
