@@ -17,6 +17,7 @@ import torch
 from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
+from compiler.cuda_graphs import default_capture_sizes
 from models.loader import export_hf_checkpoint, load_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
 
@@ -114,6 +115,10 @@ def build_artifact(
         pass_manager_uuid=compiled.pass_manager.uuid(),
         compile=stats.as_dict(),
         kernels=kernels,
+        # CUDA graphs cannot be serialised: serve captures these sizes at start.
+        capture_sizes=(
+            default_capture_sizes(max_num_seqs, max_num_batched_tokens) if target == "h100" else []
+        ),
         timings=dict(
             load_s=round(t_load, 2),
             trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),

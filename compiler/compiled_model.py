@@ -63,7 +63,7 @@ def dummy_batch(
     positions = torch.arange(num_tokens, device=device)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(2, 3, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(2, 4, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
     )

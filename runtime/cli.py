@@ -1,4 +1,4 @@
-"""`compile-engine`: generate, serve (and, as they land, build / inspect / passes / bench)."""
+"""`compile-engine`: generate, serve, build, inspect, passes, bench."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     for piece in c["pieces"]:
         print(f"  piece {piece['key']}: {piece['nodes']} nodes, used {piece['reused_by'] + 1}x")
-    print(f"capture    {manifest.capture_sizes or 'none (CPU)'}")
+    sizes = manifest.capture_sizes
+    print(f"graphs     {f'captured at serve start for {sizes}' if sizes else 'none (CPU)'}")
     print(f"kernels    {len(manifest.kernels)} files under kernels/")
     print("timings    " + ", ".join(f"{k} {v}" for k, v in manifest.timings.items()))
     return 0
