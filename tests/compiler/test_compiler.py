@@ -111,9 +111,10 @@ print("RESULT " + json.dumps({
 """
 
 
-def test_artifact_loads_in_fresh_process_without_compiling(tmp_path):
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
     model_dir = tmp_path / "model"
-    hf_model = make_tiny_model("qwen3", model_dir)
+    hf_model = make_tiny_model(arch, model_dir)
     artifact = tmp_path / "artifact"
     build = _run(
         [

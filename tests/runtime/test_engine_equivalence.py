@@ -69,26 +69,52 @@ def test_n2_greedy_equals_n1(tiny):
         assert b.outputs[0].token_ids == b.outputs[1].token_ids == a.outputs[0].token_ids
 
 
-@pytest.mark.slow
-def test_smollm2_batch_matches_hf(smollm2_llm, smollm2_hf, smollm2_tokenizer):
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a land far away, there lived a",
-        "1, 2, 3, 4,",
-        "Water boils at",
-        "The three primary colors are red,",
+SMOLLM2_SCENARIOS = {
+    **SCENARIOS,
+    # Chat prompts share the template's default system line: later ones hit its blocks.
+    "prefix-cache": dict(block_size=4, max_num_seqs=2),
+    "n2": dict(),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_cases(smollm2_hf, smollm2_tokenizer):
+    """Six chat prompts of mixed lengths with HF's greedy continuations, computed once."""
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "2+2=?",
+        "Name three primary colors and explain why they are called primary.",
+        "Hi",
+        "Translate 'good morning' into Spanish.",
     ]
-    prompts = [smollm2_tokenizer.encode(t) for t in texts]
-    engine = smollm2_llm.engine
-    budget = engine.scheduler.config.max_num_batched_tokens
-    engine.scheduler.config.max_num_batched_tokens = 16  # chunked prefill across steps
-    try:
-        outs = smollm2_llm.generate(prompts, GREEDY)
-    finally:
-        engine.scheduler.config.max_num_batched_tokens = budget
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, prompt, NEW_TOKENS)
+    prompts = []
+    for q in questions:
+        ids = smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return prompts, [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", sorted(SMOLLM2_SCENARIOS))
+def test_smollm2_greedy_equals_hf(smollm2_cases, scenario):
+    prompts, want = smollm2_cases
+    settings = SMOLLM2_SCENARIOS[scenario]
+    llm = LLM("smollm2-135m", dtype="float32", target="cpu", enforce_eager=True, **settings)
+    params = GREEDY
+    if scenario == "n2":
+        params = SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for out, expected in zip(outs, want, strict=True):
+        assert all(o.token_ids == expected for o in out.outputs), scenario
+    stats = llm.engine.stats()
+    if scenario == "preemption":
+        assert stats.num_preemptions_total > 0
+    if scenario == "prefix-cache":
+        assert stats.prefix_cache_hits > 0
+    assert stats.kv_cache_usage == 0.0
 
 
 @pytest.mark.slow
