@@ -26,24 +26,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int | None = 2
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        target=args.target,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        cuda_graphs=not args.no_cuda_graphs,
-        seed=args.seed,
-    )
+    """The same mapping as `compile-engine`'s engine flags (the flag names are shared)."""
+    from runtime.cli import engine_kwargs as cli_engine_kwargs
+
+    return cli_engine_kwargs(args)
 
 
 def engine_settings(llm) -> dict:

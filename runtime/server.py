@@ -373,6 +373,17 @@ class _Choice:
         self.text_offset = 0
 
 
+def _usage_chunk(req, head: dict):
+    """The final usage-only chunk of a stream, when stream_options.include_usage asks for it."""
+    if req.stream_options is None or not req.stream_options.include_usage:
+        return None
+
+    def usage(final: list[RequestOutput]) -> dict:
+        return head | {"choices": [], "usage": _total_usage(final)}
+
+    return usage
+
+
 async def _stream(
     request: web.Request,
     run: _Run,
@@ -514,13 +525,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
             body |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             return [head | {"choices": [body]}]
 
-        usage = None
-        if req.stream_options is not None and req.stream_options.include_usage:
-
-            def usage(final: list[RequestOutput]) -> dict:
-                return head | {"choices": [], "usage": _total_usage(final)}
-
-        return await _stream(request, run, chunks, usage, req.n)
+        return await _stream(request, run, chunks, _usage_chunk(req, head), req.n)
 
     try:
         final = await _collect(run)
@@ -637,13 +642,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
                 result.append(head | {"choices": [body]})
             return result
 
-        usage = None
-        if req.stream_options is not None and req.stream_options.include_usage:
-
-            def usage(final: list[RequestOutput]) -> dict:
-                return head | {"choices": [], "usage": _total_usage(final)}
-
-        return await _stream(request, run, chunks, usage, req.n)
+        return await _stream(request, run, chunks, _usage_chunk(req, head), req.n)
 
     try:
         final = await _collect(run)
