@@ -5,6 +5,7 @@ n=2, for every tiny architecture and for the real SmolLM2."""
 from __future__ import annotations
 
 import pytest
+import torch
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from tiny_models import TINY_ARCHS, make_tiny_model
 
@@ -125,3 +126,18 @@ def test_smollm2_chat_names_paris(smollm2_llm):
     )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_smollm2_defaults_compile_in_bf16_and_name_paris():
+    """The README's main job: every default (GGUF "auto" dtype, compiled, prefix caching)."""
+    from models.loader import dequantized_dtype
+
+    llm = LLM("smollm2-135m", target="cpu", num_kv_blocks=256)
+    assert llm.engine.loaded.dtype == dequantized_dtype(torch.device("cpu"))
+    assert llm.engine.compiled is not None and llm.engine.compiled.recompilations == 0
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+    )
+    assert "Paris" in out[0].outputs[0].text
