@@ -214,8 +214,9 @@ def build_model(
 def dequantized_dtype(device: torch.device) -> torch.dtype:
     """What "auto" means for a quantized (GGUF) checkpoint, which has no float dtype of its
     own: bfloat16 where the hardware multiplies it natively, else float32. On the 2-core
-    EPYC CI machine SmolLM2 decodes at 52.8 tok/s in bfloat16 vs 24.7 in float32 (batch 1,
-    benchmarks/results/latency-cpu-*), because decode streams the weights and bf16 halves them."""
+    EPYC CI machine SmolLM2 decodes at 42.0 tok/s in bfloat16 vs 24.4 in float32 (batch 1;
+    benchmarks/results/latency-{bf16,fp32}-cpu-*.json): decode streams the weights, and bf16
+    halves them."""
     if device.type == "cuda":
         return torch.bfloat16
     try:
