@@ -13,6 +13,7 @@ COMMANDS = {
     "latency": ("benchmarks.latency", "decode tok/s per batch size vs the bandwidth roofline"),
     "throughput": ("benchmarks.throughput", "offline N requests through LLM.generate"),
     "kv-waste": ("benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
+    "breakdown": ("benchmarks.breakdown", "where one decode step's time goes, host vs device"),
     "startup": ("benchmarks.startup", "cold build vs a fresh process ready from the artifact"),
     "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
     "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),

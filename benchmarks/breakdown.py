@@ -1,0 +1,119 @@
+"""`bench breakdown`: where one decode step's time goes (issue 7).
+
+Times each phase of `LLMEngine.step()` on the host with the device synchronised at the phase
+boundaries that already synchronise (the sampled tokens' copy to the host), and separately
+the device time of the model alone (CUDA-graph replay, timed with CUDA events). The gap
+between the step and the device time is host work that the device waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from benchmarks.common import add_engine_flags, engine_kwargs, engine_settings, random_prompts
+from benchmarks.results import write_result
+
+
+def _timed(table: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            table[name].append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def breakdown(llm, batch: int, steps: int, input_len: int, rng_seed: int = 0) -> dict:
+    import random
+
+    from runtime import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    prompts = random_prompts(batch, input_len, vocab, random.Random(rng_seed))
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill
+    phases: dict[str, list[float]] = defaultdict(list)
+    sched, runner = engine.scheduler, engine.runner
+    originals = (sched.schedule, runner.prepare, runner._run_model, sched.update_from_output)
+    sched.schedule = _timed(phases, "schedule", sched.schedule)
+    runner.prepare = _timed(phases, "prepare inputs", runner.prepare)
+    runner._run_model = _timed(phases, "model launch (host)", runner._run_model)
+    sched.update_from_output = _timed(phases, "scheduler update", sched.update_from_output)
+    step_times = []
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            start = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - start)
+    finally:
+        sched.schedule, runner.prepare, runner._run_model, sched.update_from_output = originals
+    for i in range(batch):
+        engine.abort_request(f"b{i}")
+    step = statistics.median(step_times)
+    rows = {name: statistics.median(v) for name, v in phases.items()}
+    rows["sample + sync + detokenize (rest)"] = step - sum(rows.values())
+    device_ms = None
+    graphs = runner.graphs
+    if graphs is not None:
+        size = graphs.padded_size(batch, batch)
+        graph = graphs.graphs[size]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        device_ms = start.elapsed_time(end) / 20
+    return {
+        "batch": batch,
+        "step_ms": round(step * 1e3, 3),
+        "phases_ms": {k: round(v * 1e3, 3) for k, v in rows.items()},
+        "model_device_ms": round(device_ms, 3) if device_ms is not None else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench breakdown", description=__doc__.splitlines()[0])
+    add_engine_flags(p)
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32)
+    args = p.parse_args(argv)
+    from runtime import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    results = [
+        breakdown(llm, int(b), args.steps, args.input_len) for b in args.batch_sizes.split(",")
+    ]
+    for r in results:
+        print(
+            f"batch {r['batch']}: step {r['step_ms']:.2f} ms, model on device "
+            f"{r['model_device_ms']} ms"
+        )
+        for name, ms in r["phases_ms"].items():
+            print(f"  {name:<36}{ms:8.3f} ms")
+    path = write_result(
+        "breakdown",
+        {"settings": engine_settings(llm), "results": results},
+        directory=args.results_dir,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
