@@ -326,10 +326,25 @@ def _details(r: dict) -> list[str]:
         lines += _startup(r)
     elif kind == "paged_attention":
         lines += _paged_attention(r)
+    elif kind == "breakdown":
+        lines += _breakdown(r)
     else:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []
     return [*lines, ""]
+
+
+def _breakdown(r: dict) -> list[str]:
+    """One decode step's host phases (median ms) beside the model's device time."""
+    results = r["results"]
+    names = list(results[0]["phases_ms"])
+    header = ["phase (ms, median)"] + [f"batch {x['batch']}" for x in results]
+    rows = [[n] + [f"{x['phases_ms'][n]:.3f}" for x in results] for n in names]
+    rows.append(["**whole step**"] + [f"**{x['step_ms']:.2f}**" for x in results])
+    rows.append(
+        ["model on device (graph replay)"] + [_fmt(x["model_device_ms"]) for x in results]
+    )
+    return _table(header, rows)
 
 
 def _seconds(value) -> str:

@@ -22,7 +22,6 @@ class CompileConfig:
     target: str = "cpu"
     passes: str | None = None  # "+name,-name" relative to the defaults, or "a,b" exactly
     cache_dir: Path | None = None  # Inductor + Triton cache; an artifact ships its own
-    cudagraph_capture_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
