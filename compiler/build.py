@@ -92,6 +92,7 @@ def build_artifact(
         weights_path = WEIGHTS_SUBDIR
     tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path)
     if tokenizer is not None:
+        tokenizer.clean_up_tokenization_spaces = False  # ignored for BPE; warns if left set
         tokenizer.save_pretrained(str(out / SAVED_DIR))
 
     manifest = Manifest(

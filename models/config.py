@@ -80,7 +80,8 @@ def config_from_hf(hf, **overrides) -> ModelConfig:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+    # transformers 5 reads a v4 config's "torch_dtype" into `dtype` (and warns on the old name).
+    dtype = getattr(hf, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = _DTYPES.get(dtype, torch.float32)
     values = dict(

@@ -52,6 +52,8 @@ def load_tokenizer(kind: str, path: Path, saved: Path | None = None):
     from models.gguf import GGUFCheckpoint
 
     tokenizer = GGUFCheckpoint(path).tokenizer()
+    # transformers ignores this flag for BPE tokenizers but warns at every load while it is set.
+    tokenizer.clean_up_tokenization_spaces = False
     try:
         tokenizer.save_pretrained(str(cached))
     except OSError as exc:  # a read-only home: convert again next time
