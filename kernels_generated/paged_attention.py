@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from models.ops import paged_attention_ref
+from models.ops import paged_attention_fake, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -472,19 +472,7 @@ def paged_attention(
     )
 
 
-@paged_attention.register_fake
-def _(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    kv_cache: Tensor,
-    slot_mapping: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    scale: float,
-) -> Tensor:
-    return torch.empty_like(q)
+paged_attention.register_fake(paged_attention_fake)
 
 
 # --------------------------------------------------------------------------- inputs, check, bench

@@ -235,7 +235,7 @@ def paged_attention(
 
 
 @paged_attention.register_fake
-def _(
+def paged_attention_fake(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -246,6 +246,7 @@ def _(
     query_start_loc: Tensor,
     scale: float,
 ) -> Tensor:
+    """Shape of the output; shared by every kernel lowering of the op (same schema)."""
     return torch.empty_like(q)
 
 
