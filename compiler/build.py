@@ -65,11 +65,9 @@ def build_artifact(
 
     cfg = loaded.config
     # Capture needs a cache to write into, not a real-sized one: one scratch block per layer.
+    shape = loaded.model.kv_cache_shape(2, block_size)
     kv_caches = [
-        torch.zeros(
-            2, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype, device=device
-        )
-        for _ in range(cfg.num_layers)
+        torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
     ]
     config = CompileConfig(target=target, passes=passes, cache_dir=out / CACHE_SUBDIR)
     compiled = CompiledForward(loaded.model, config, loaded.dtype)

@@ -73,8 +73,11 @@ def _rope_parameters(hf) -> dict:
     return rope
 
 
-def config_from_hf(hf, **overrides) -> ModelConfig:
-    """Build a ModelConfig from a transformers PretrainedConfig of a dense decoder."""
+def config_from_hf(hf, config_cls: type[ModelConfig] = ModelConfig, **overrides) -> ModelConfig:
+    """Build a ModelConfig from a transformers PretrainedConfig of a dense decoder.
+
+    A family with more numbers (MoE, MLA) subclasses ModelConfig with defaulted fields and
+    passes its class and those values here."""
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported; only silu")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -103,4 +106,4 @@ def config_from_hf(hf, **overrides) -> ModelConfig:
         checkpoint_dtype=dtype,
     )
     values.update(overrides)
-    return ModelConfig(**values)
+    return config_cls(**values)

@@ -116,6 +116,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, H]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's paged KV cache: K and V per token slot; block 0 is the runtime's
+        scratch (padding tokens write there). MLA models cache a latent instead."""
+        cfg = self.config
+        return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S, H] of the rows that sample -> logits [S, V]."""
         lm_head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -8,6 +8,7 @@ inputs it receives are always the same shapes of the same persistent buffers' pr
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,9 +44,9 @@ class RunnerOutput:
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    cfg = loaded.config
     element = torch.empty((), dtype=loaded.dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+    per_layer = math.prod(loaded.model.kv_cache_shape(1, block_size))
+    return loaded.config.num_layers * per_layer * element
 
 
 @torch.inference_mode()
@@ -55,12 +56,8 @@ def profile_activation_bytes(loaded: LoadedModel, num_tokens: int, num_rows: int
     cfg, device = loaded.config, next(loaded.model.parameters()).device
     block_size = 16
     blocks = -(-num_tokens // block_size) + 1
-    kv = [
-        torch.zeros(
-            2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype, device=device
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    shape = loaded.model.kv_cache_shape(blocks, block_size)
+    kv = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(block_size, block_size + num_tokens, device=device),
         block_tables=torch.arange(1, blocks, dtype=torch.int32, device=device)[None],
@@ -114,7 +111,7 @@ class ModelRunner:
         self.config = loaded.config
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         cfg = loaded.config
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = loaded.model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
         ]
