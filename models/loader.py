@@ -5,6 +5,12 @@ parameter is filled from the checkpoint through one declared mapping: checkpoint
 names that the model fuses (q/k/v -> qkv_proj, gate/up -> gate_up_proj) come from the model's
 `packed_modules` table, everything else maps by name. A tensor that is missing, unexpected,
 mis-shaped or half of a fused group is an error naming it.
+
+MoE models add two tables. `stacked_modules` says which per-expert projections
+(`<experts>.<e>.<proj>.weight`) stack into one [E, ...] parameter of a StackedExperts module
+(`{"w13": ("w1", "w3"), "w2": ("w2",)}`); `checkpoint_renames` maps dotted name fragments of
+other checkpoint layouts to ours (transformers 5 may save experts already stacked, as
+`experts.gate_up_proj`). A parameter loaded whole counts for all of its shards.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 from models.config import ModelConfig, resolve_dtype
 from models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from models.layers import FusedLinear
+from models.moe import StackedExperts
 from models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -121,6 +128,15 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     shard_to_fused = {
         shard: fused for fused, shards in model.packed_modules.items() for shard in shards
     }
+    proj_to_stacked = {
+        proj: stacked
+        for stacked, projs in getattr(model, "stacked_modules", {}).items()
+        for proj in projs
+    }
+    renames = [
+        (old.split("."), new.split("."))
+        for old, new in getattr(model, "checkpoint_renames", {}).items()
+    ]
     owners: dict[str, nn.Module] = {}
     expected: dict[tuple[str, str | None], str] = {}  # (param, shard) -> checkpoint name
     for module_name, module in model.named_modules():
@@ -131,6 +147,11 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
                 parent = module_name.rpartition(".")[0]
                 for shard in module.shards:
                     expected[(full, shard)] = f"{parent}.{shard}.{pname}".lstrip(".")
+            elif isinstance(module, StackedExperts):
+                for expert in range(module.num_experts):
+                    for proj in module.shards[pname]:
+                        ckpt = f"{module_name}.{expert}.{proj}.weight"
+                        expected[(full, (proj, expert))] = ckpt
             else:
                 expected[(full, None)] = full
     params = dict(model.named_parameters())
@@ -139,13 +160,13 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        parts = name.split(".")
-        shard = next((p for p in parts if p in shard_to_fused), None)
-        target = (
-            name
-            if shard is None
-            else ".".join(shard_to_fused[p] if p == shard else p for p in parts)
-        )
+        parts = _rename(name.split("."), renames)
+        stacked = _stacked_target(parts, proj_to_stacked, params)
+        if stacked is not None:
+            target, shard = stacked
+        else:
+            shard = next((p for p in parts if p in shard_to_fused), None)
+            target = ".".join(shard_to_fused[p] if p == shard else p for p in parts)
         if target not in params:
             raise CheckpointError(
                 f"unexpected tensor {name} in the checkpoint: {model.config.architecture} has "
@@ -153,12 +174,42 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             )
         owners[target].load_shard(params[target], tensor, shard, name)
         loaded.add((target, shard))
-    missing = [ckpt for key, ckpt in expected.items() if key not in loaded]
+    whole = {target for target, shard in loaded if shard is None}
+    missing = [
+        ckpt for key, ckpt in expected.items() if key not in loaded and key[0] not in whole
+    ]
     if missing:
         shown = ", ".join(missing[:4]) + (
             f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         )
         raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")
+
+
+def _rename(parts: list[str], renames: list[tuple[list[str], list[str]]]) -> list[str]:
+    """Replace every run of whole name parts equal to a rename's source by its target."""
+    for old, new in renames:
+        i = 0
+        while i + len(old) <= len(parts):
+            if parts[i : i + len(old)] == old:
+                parts = parts[:i] + new + parts[i + len(old) :]
+                i += len(new)
+            else:
+                i += 1
+    return parts
+
+
+def _stacked_target(
+    parts: list[str], proj_to_stacked: dict[str, str], params: dict
+) -> tuple[str, tuple[str, int]] | None:
+    """`<experts>.<e>.<proj>.weight` -> (`<experts>.<stacked>`, (proj, e)), when that
+    stacked parameter exists; None for every other name."""
+    if len(parts) < 4 or parts[-1] != "weight" or not parts[-3].isdigit():
+        return None
+    stacked = proj_to_stacked.get(parts[-2])
+    if stacked is None:
+        return None
+    target = ".".join([*parts[:-3], stacked])
+    return (target, (parts[-2], int(parts[-3]))) if target in params else None
 
 
 def export_hf_checkpoint(model: nn.Module, hf_config, directory: Path) -> Path:

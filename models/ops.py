@@ -257,3 +257,7 @@ OPS = {
     "silu_and_mul": (silu_and_mul, silu_and_mul_ref),
     "paged_attention": (paged_attention, paged_attention_ref),
 }
+
+# Ops defined in modules of their own join OPS when they are imported; importing them here
+# means that importing models.ops registers the whole vocabulary (torch.ops.ce.*).
+import models.moe  # noqa: E402, F401
