@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "latency": ("benchmarks.latency", "decode tok/s per batch size vs the bandwidth roofline"),
     "throughput": ("benchmarks.throughput", "offline N requests through LLM.generate"),
+    "serve": ("benchmarks.serve", "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server"),
     "kv-waste": ("benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
     "breakdown": ("benchmarks.breakdown", "where one decode step's time goes, host vs device"),
     "startup": ("benchmarks.startup", "cold build vs a fresh process ready from the artifact"),

@@ -328,6 +328,8 @@ def _details(r: dict) -> list[str]:
         lines += _paged_attention(r)
     elif kind == "breakdown":
         lines += _breakdown(r)
+    elif kind == "serve":
+        lines += _serve(r)
     else:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []
@@ -341,10 +343,73 @@ def _breakdown(r: dict) -> list[str]:
     header = ["phase (ms, median)"] + [f"batch {x['batch']}" for x in results]
     rows = [[n] + [f"{x['phases_ms'][n]:.3f}" for x in results] for n in names]
     rows.append(["**whole step**"] + [f"**{x['step_ms']:.2f}**" for x in results])
-    rows.append(
-        ["model on device (graph replay)"] + [_fmt(x["model_device_ms"]) for x in results]
-    )
+    rows.append(["model on device (graph replay)"] + [_fmt(x["model_device_ms"]) for x in results])
     return _table(header, rows)
+
+
+def _serve(r: dict) -> list[str]:
+    """bench serve: the load, then vLLM's latency table and the throughputs."""
+    if r.get("dataset") == "random":
+        ratio = r.get("random_range_ratio") or 0
+        shape = f"{r['input_len']} in / {r['output_len']} out" + (
+            f" (+-{ratio:.0%})" if ratio else ""
+        )
+    else:
+        shape = f"{r.get('dataset')} lengths"
+    rate = r.get("request_rate")
+    load = "all at once" if rate == "inf" else f"Poisson at {rate} req/s"
+    server = r.get("server") or {}
+    where = (
+        f"`compile-engine serve` launched by the benchmark (dtype {r.get('dtype')}, healthy "
+        f"after {server.get('ready_s', 0):.1f} s)"
+        if server.get("launched")
+        else f"the server at {r.get('base_url')}"
+    )
+    preempted = (r.get("server_counters") or {}).get("preemptions")
+    text = (
+        f"{r['num_prompts']} streaming /v1/completions requests of random token ids, {shape}, "
+        f"sent {load}, at most {r.get('max_concurrency') or 'unbounded'} in flight, "
+        f"{r.get('num_warmup', 0)} warmup requests first, temperature {r.get('temperature')}, "
+        f"ignore_eos; {where}. {r['completed']} completed, {r['failed']} failed"
+    )
+    text += f" (first error: {r['first_error']})." if r.get("first_error") else "."
+    text += f" Duration {r['duration_s']:.1f} s"
+    text += f", {preempted:.0f} preemptions on the server." if preempted is not None else "."
+    lines = [text, ""]
+    if not r.get("per_token_stream", True):
+        lines += [
+            f"**Streams carried {r['tokens_per_chunk']:.1f} tokens per chunk**: TTFT, TPOT and "
+            "ITL below are not per token.",
+            "",
+        ]
+    rows = []
+    for key, label in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2el_ms", "E2EL"),
+    ):
+        s = r.get(key) or {}
+        rows.append([label] + [_fmt(s.get(k)) for k in ("mean", "median", "p90", "p99")])
+    lines += _table(["ms", "mean", "median", "p90", "p99"], rows)
+    slos = r.get("goodput_slos_ms") or {}
+    goodput = "—"
+    if r.get("request_goodput") is not None:
+        met = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+        goodput = f"{_fmt(r['request_goodput'])} ({met})"
+    lines += [""]
+    lines += _table(
+        ["requests/s", "output tok/s", "total tok/s", "goodput req/s"],
+        [
+            [
+                _fmt(r["request_throughput"]),
+                _fmt(r["output_throughput"]),
+                _fmt(r["total_token_throughput"]),
+                goodput,
+            ]
+        ],
+    )
+    return lines
 
 
 def _seconds(value) -> str:
