@@ -14,8 +14,10 @@ COMMANDS = {
     "throughput": ("benchmarks.throughput", "offline N requests through LLM.generate"),
     "serve": ("benchmarks.serve", "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server"),
     "kv-waste": ("benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
+    "fusions": ("benchmarks.fusions", "norm/rotary/silu kernels vs Inductor's fusion, per T"),
     "breakdown": ("benchmarks.breakdown", "where one decode step's time goes, host vs device"),
     "startup": ("benchmarks.startup", "cold build vs a fresh process ready from the artifact"),
+    "moe": ("benchmarks.moe", "fused MoE kernel vs a per-expert loop; MoE model decode"),
     "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
     "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
 }

@@ -326,6 +326,8 @@ def _details(r: dict) -> list[str]:
         lines += _startup(r)
     elif kind == "paged_attention":
         lines += _paged_attention(r)
+    elif kind == "fusions":
+        lines += _fusions(r)
     elif kind == "breakdown":
         lines += _breakdown(r)
     elif kind == "serve":
@@ -507,6 +509,42 @@ def _paged_attention(r: dict) -> list[str]:
         ],
         rows,
     )
+    return lines
+
+
+def _fusions(r: dict) -> list[str]:
+    """One row per (op, T): microseconds (and GB/s) of each variant, the kernels' speed-up over
+    Inductor's fusion of the reference, then each pass's verdict (its default-on condition)."""
+    s = r.get("shapes", {})
+    lines = [
+        f"Llama-3-8B shapes ({s.get('dtype')}): hidden {s.get('hidden')}, "
+        f"{s.get('num_q_heads')} / {s.get('num_kv_heads')} heads of {s.get('head_dim')}, "
+        f"intermediate {s.get('intermediate')}. Inductor: {r.get('inductor')}. Timing: "
+        f"{r.get('timing')}. Bytes: {r.get('bytes_counted')}.",
+        "",
+    ]
+    variants = ("inductor", "triton", "helion", "eager")
+
+    def cell(m: dict | None) -> str:
+        if not m:
+            return "—"
+        if "us" not in m:
+            return "failed"
+        x = f" (x{m['speedup_vs_inductor']:.2f})" if "speedup_vs_inductor" in m else ""
+        return f"{m['us']:.2f} us, {m['gb_s']:,.0f} GB/s{x}"
+
+    rows = [[x["op"], str(x["T"])] + [cell(x.get(v)) for v in variants] for x in r["rows"]]
+    lines += _table(["op", "T", *variants], rows)
+    verdicts = r.get("verdicts", {})
+    if verdicts:
+        lines.append("")
+        for name, v in verdicts.items():
+            word = "beats" if v["beats_inductor_at_every_T"] else "does not beat"
+            speedups = ", ".join(
+                f"T={t}: x{x:.2f}" if x is not None else f"T={t}: —"
+                for t, x in v["speedup_vs_inductor"].items()
+            )
+            lines.append(f"- `{name}` {word} Inductor at every T ({speedups}).")
     return lines
 
 

@@ -4,6 +4,8 @@ Run on the H200 (the `h100` target), from the repository root:
 
     HELION_AUTOTUNE_EFFORT=quick python -m kernels_generated.tune_silu_and_mul_helion
 
+(add HELION_AUTOTUNE_BUDGET_SECONDS=N to bound each shape class's search to N seconds)
+
 For each shape class (I in 14336 for Llama-3-8B and 1536 for SmolLM2, T in 1, 64, 256, 2048)
 it runs Helion's autotuner on bf16 inputs, checks the winner against the reference, times it,
 and records it with its provenance (device, versions, date, time per call) in
@@ -83,11 +85,17 @@ def tune(
                 f"{default_ms * 1e3:8.2f} us default  {json.dumps(config.config)}",
                 flush=True,
             )
-    table.targets[target] = TargetConfigs(
-        tuned=True, entries=entries, note=f"tuned on {device_name} by tune_silu_and_mul_helion"
-    )
+            # Written after every class, so that a run stopped by a time limit keeps what it
+            # tuned (HELION_AUTOTUNE_BUDGET_SECONDS bounds each class, not the whole run).
+            table.targets[target] = TargetConfigs(
+                tuned=True,
+                entries=list(entries),
+                note=f"tuned on {device_name} by tune_silu_and_mul_helion",
+            )
+            if write:
+                table.save()
     if write:
-        print(f"wrote {table.save()}")
+        print(f"wrote {table.path}")
     return table
 
 

@@ -37,7 +37,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @rms_norm.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Shared by every kernel lowering of the op (same schema), as for paged_attention."""
     return torch.empty_like(x)
 
 
@@ -55,7 +56,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 
 @add_rms_norm.register_fake
-def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_fake(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -92,7 +95,9 @@ def rotary(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> tu
 
 
 @rotary.register_fake
-def _(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
+def rotary_fake(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -111,7 +116,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 @silu_and_mul.register_fake
-def _(x: Tensor) -> Tensor:
+def silu_and_mul_fake(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 

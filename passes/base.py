@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import fx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,9 @@ class GraphPass:
     targets: tuple[str, ...] = ("cpu", "h100")
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     default_on: bool = True
+    # Files (relative to the repository root) that the rewritten graph calls into, such as the
+    # kernel and its tuned configs: their bytes feed uuid(), so retuning rebuilds artifacts.
+    kernel_files: tuple[str, ...] = ()
 
     def applies(self, ctx: PassContext) -> bool:
         return ctx.target in self.targets and ctx.dtype in self.dtypes
@@ -41,9 +47,12 @@ class GraphPass:
         raise NotImplementedError
 
     def uuid(self) -> str:
-        """Changes whenever the pass's code changes, so compiled artifacts are rebuilt."""
-        source = inspect.getsource(type(self))
-        return hashlib.sha256(source.encode()).hexdigest()[:16]
+        """Changes whenever the pass's code or its kernel_files change, so compiled artifacts
+        are rebuilt."""
+        h = hashlib.sha256(inspect.getsource(type(self)).encode())
+        for path in self.kernel_files:
+            h.update((REPO_ROOT / path).read_bytes())
+        return h.hexdigest()[:16]
 
 
 def op_nodes(graph: fx.Graph, name: str) -> list[fx.Node]:

@@ -44,4 +44,7 @@ def load_all() -> None:
     import passes.lower_to_reference  # noqa: F401
     import passes.paged_attention  # noqa: F401
     import passes.moe_grouped_gemm  # noqa: F401  (before the silu_and_mul passes)
+    import passes.rms_norm_triton  # noqa: F401
+    import passes.rotary_triton  # noqa: F401
     import passes.silu_and_mul_helion  # noqa: F401
+    import passes.silu_and_mul_triton  # noqa: F401

@@ -1,0 +1,384 @@
+"""rms_norm and residual-add + rms_norm in Triton: one row per program, float32 accumulation.
+
+Lowers `ce::rms_norm` and `ce::add_rms_norm` (references: `models.ops.rms_norm_ref`,
+`add_rms_norm_ref`). Both are bound by memory bandwidth: add_rms_norm reads x, the residual
+and the weight and writes the normalised row and the new residual (4 T H elements), rms_norm
+reads x and writes one row (2 T H). A program owns one row of H elements, held in registers as
+one tile (H up to 65536), so each element is read once and written once.
+
+Rounding follows the reference, which follows HF: the residual sum is rounded to the
+activation dtype (it is the residual stream the next layer reads), the mean of squares and
+rsqrt are in float32, the normalised row is rounded to the activation dtype and then multiplied
+by the weight in that dtype. Only the float32 sum's order (a tree here, ATen's own order there)
+and rsqrt's last bit differ, which can move a result by one ulp of the activation dtype.
+
+Rows: x is [..., H]; a 2-D x gives rows of stride x.stride(0), a 3-D x (Qwen3's q/k norm over
+[T, heads, D], a strided view of the QKV output) gives rows by (outer, inner) strides, so
+neither is copied. Outputs are `torch.empty_like(x)`, exactly what the op's fake promises.
+
+Configs (num_warps) per target and shape class {H, T = rows bucketed to a power of two} live
+in configs/add_rms_norm.json, picked by nearest key (kernels_generated/configs.py); `tune()`
+measures them on the GPU. On CPU the kernel runs only under the Triton interpreter
+(`TRITON_INTERPRET=1` before triton is first imported), which computes bf16 wrongly, so CPU
+tensors must be float32 or float16. `check()` compares with the reference; `bench()` times it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+from kernels_generated.configs import (
+    CONFIG_DIR,
+    ConfigEntry,
+    ConfigTable,
+    TargetConfigs,
+    bucket_tokens,
+)
+from kernels_generated.timing import graph_us, kernel_main
+from models.ops import add_rms_norm_fake, add_rms_norm_ref, rms_norm_fake, rms_norm_ref
+
+CONFIG_FILE = CONFIG_DIR / "add_rms_norm.json"
+MAX_HIDDEN = 65536  # one tile per row: past this the registers spill (no model comes close)
+# A CUDA device is taken to be an H100/H200 (sm_90), the only GPU target.
+_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
+
+
+class RmsNormKernelError(RuntimeError):
+    """The Triton rms_norm kernel cannot run these inputs here; the message says why."""
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,  # unused without HAS_RESIDUAL
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,  # unused without HAS_RESIDUAL
+    rows_inner,  # rows per outer index: 1 for a 2-D x, x.shape[1] for a 3-D x
+    stride_x_outer,
+    stride_x_inner,
+    stride_r_outer,
+    stride_r_inner,
+    stride_o_outer,
+    stride_o_inner,
+    stride_ro_outer,
+    stride_ro_inner,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: T * H passes 2**31 at long prefills
+    outer = row // rows_inner
+    inner = row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask)
+    # Cast to float32 right after loading: the interpreter computes bf16 arithmetic wrongly,
+    # and on the GPU a bf16 add is a float32 add rounded anyway.
+    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(
+            residual_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask
+        )
+        # The sum is rounded to the activation dtype, as the reference's `x + residual` is:
+        # that rounded stream is what the norm sees and what the next layer adds to.
+        summed = (xf + r.to(tl.float32)).to(x.dtype)
+        tl.store(
+            residual_out_ptr + outer * stride_ro_outer + inner * stride_ro_inner + cols,
+            summed,
+            mask=mask,
+        )
+        xf = summed.to(tl.float32)
+    mean_square = tl.sum(xf * xf, axis=0) / hidden  # masked lanes loaded as 0
+    normed = (xf * tl.rsqrt(mean_square + eps)).to(x.dtype)  # HF rounds before the weight
+    w = tl.load(weight_ptr + cols, mask=mask)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(
+        out_ptr + outer * stride_o_outer + inner * stride_o_inner + cols,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+INTERPRETED = not isinstance(_rms_norm_kernel, JITFunction)
+"""True when triton was imported with TRITON_INTERPRET=1: the kernel then runs on CPU tensors."""
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@functools.cache
+def config_table() -> ConfigTable:
+    return ConfigTable.load(CONFIG_FILE)
+
+
+def shape_key(num_rows: int, hidden: int) -> dict[str, int]:
+    return {"H": hidden, "T": bucket_tokens(num_rows)}
+
+
+@functools.cache
+def config_for(target: str, rows_bucket: int, hidden: int) -> dict:
+    """The launch config of a shape class (cached: looked up once per class, not per call)."""
+    return config_table().lookup(target, {"H": hidden, "T": rows_bucket})
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _rows(t: Tensor) -> tuple[int, int, int]:
+    """(rows_inner, outer stride, inner stride) addressing the rows of a 2-D or 3-D tensor."""
+    if t.dim() == 2:
+        return 1, t.stride(0), 0
+    return t.shape[1], t.stride(0), t.stride(1)
+
+
+def _validate(x: Tensor, weight: Tensor, residual: Tensor | None) -> None:
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise RmsNormKernelError(f"weight {tuple(weight.shape)} does not match x [..., {hidden}]")
+    if residual is not None and residual.shape != x.shape:
+        raise RmsNormKernelError(
+            f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ in shape"
+        )
+    if hidden > MAX_HIDDEN:
+        raise RmsNormKernelError(
+            f"hidden size {hidden} is above the kernel's {MAX_HIDDEN} (one tile per row); "
+            "leave the rms_norm_triton pass off (--passes -rms_norm_triton)"
+        )
+    if x.device.type == "cpu" and not INTERPRETED:
+        raise RmsNormKernelError(
+            "the Triton rms_norm kernel runs on CPU tensors only under the interpreter: set "
+            "TRITON_INTERPRET=1 before triton is first imported, or leave the pass off on cpu"
+        )
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        raise RmsNormKernelError(
+            "the Triton interpreter computes bfloat16 wrongly; use float32 or float16 on CPU"
+        )
+
+
+def _flat_rows(t: Tensor) -> Tensor:
+    """A 2-D or 3-D view with a unit last stride, which the kernel addresses without a copy;
+    anything else (more dims, a strided last dim) is copied once."""
+    if t.dim() in (2, 3) and t.stride(-1) == 1:
+        return t
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def rms_norm_triton(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    *,
+    num_warps: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """rms_norm(x) or, with `residual`, (rms_norm(x + residual), x + residual); the same
+    contract as `models.ops.rms_norm` / `add_rms_norm`. num_warps overrides the config."""
+    _validate(x, weight, residual)
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    hidden = x.shape[-1]
+    num_rows = x.numel() // hidden if hidden else 0
+    if num_rows == 0:
+        return out if residual_out is None else (out, residual_out)
+
+    # The kernel writes through (outer, inner) strides with a unit last stride; an output that
+    # empty_like laid out otherwise is computed into a contiguous buffer and copied back.
+    direct = out.dim() in (2, 3) and out.stride(-1) == 1
+    x_k = _flat_rows(x)
+    r_k = _flat_rows(residual) if residual is not None else x_k
+    out_k = out if direct else torch.empty(x_k.shape, dtype=x.dtype, device=x.device)
+    ro_k = out_k  # unused without a residual
+    if residual_out is not None:
+        ro_k = residual_out if direct else torch.empty_like(out_k)
+    if not (x_k.dim() == r_k.dim() == out_k.dim() == ro_k.dim()):
+        x_k, r_k = x_k.reshape(-1, hidden), r_k.reshape(-1, hidden)
+        out_k, ro_k = out_k.view(-1, hidden), ro_k.view(-1, hidden)
+
+    target = _TARGET_OF_DEVICE[x.device.type]
+    config = config_for(target, bucket_tokens(num_rows), hidden)
+    rows_inner, sxo, sxi = _rows(x_k)
+    _, sro, sri = _rows(r_k)
+    _, soo, soi = _rows(out_k)
+    _, sroo, sroi = _rows(ro_k)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _rms_norm_kernel[(num_rows,)](
+            x_k,
+            r_k,
+            weight,
+            out_k,
+            ro_k,
+            rows_inner,
+            sxo,
+            sxi,
+            sro,
+            sri,
+            soo,
+            soi,
+            sroo,
+            sroi,
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(hidden),
+            num_warps=num_warps or config["num_warps"],
+        )
+    if not direct:
+        out.copy_(out_k.view(x.shape))
+        if residual_out is not None:
+            residual_out.copy_(ro_k.view(x.shape))
+    return out if residual_out is None else (out, residual_out)
+
+
+# The ops the rms_norm_triton pass swaps in for ce::rms_norm and ce::add_rms_norm: the same
+# schemas and fakes, opaque to Dynamo and Inductor (torch.library.triton_op fails under
+# torch.compile on CPU, where the interpreter would run on fake tensors).
+@torch.library.custom_op("ce_kernels::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`ce::rms_norm` computed by the Triton kernel."""
+    return rms_norm_triton(x, weight, eps)
+
+
+rms_norm.register_fake(rms_norm_fake)
+
+
+@torch.library.custom_op("ce_kernels::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`ce::add_rms_norm` computed by the Triton kernel: (rms_norm(x + r), x + r)."""
+    return rms_norm_triton(x, weight, eps, residual)
+
+
+add_rms_norm.register_fake(add_rms_norm_fake)
+
+
+# --------------------------------------------------------------------------- check, bench, tune
+
+# Llama-3-8B's hidden size, and the q/k norm rows of a Qwen3 head (D 128, 40 heads a token).
+REAL_SHAPES = ((1, 4096), (64, 4096), (256, 4096), (2048, 4096))
+
+
+def moved_bytes(num_rows: int, hidden: int, element_size: int, residual: bool) -> int:
+    """Bytes the op must move: x (+ residual) in, out (+ residual out) out, and the weight."""
+    return ((4 if residual else 2) * num_rows + 1) * hidden * element_size
+
+
+def check(
+    shapes: tuple[tuple[int, int], ...] | None = None, dtype: torch.dtype | None = None
+) -> float:
+    """Compare both ops with their references on this machine's device; return the largest
+    absolute error. CPU: small float32 shapes under the interpreter. CUDA: real shapes in bf16,
+    where one ulp of bf16 (the float32 sum's order) is the tolerance."""
+    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+    if shapes is None:
+        shapes = ((1, 64), (5, 48), (9, 96)) if device == "cpu" else REAL_SHAPES
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    worst = 0.0
+    for num_rows, hidden in shapes:
+        x = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
+        r = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(dtype)
+        pairs = [(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))]
+        got, want = add_rms_norm(x, r, weight, 1e-5), add_rms_norm_ref(x, r, weight, 1e-5)
+        pairs += list(zip(got, want, strict=True))
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **tolerance(dtype))
+            worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """One ulp of the activation dtype relative, a little more in float32 (rsqrt's last bits)."""
+    return {
+        torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+        torch.float16: {"rtol": 1e-3, "atol": 1e-3},
+        torch.bfloat16: {"rtol": 8e-3, "atol": 8e-3},
+    }[dtype]
+
+
+def bench(shapes: tuple[tuple[int, int], ...] = REAL_SHAPES) -> list[dict]:
+    """Microseconds and GB/s of add_rms_norm against the eager reference, bf16 on CUDA, from
+    CUDA-graph replay. Inductor's fusion of the reference is timed by `bench fusions`."""
+    if not torch.cuda.is_available() or INTERPRETED:
+        raise RmsNormKernelError("bench() needs a CUDA device and compiled Triton")
+    rows = []
+    for num_rows, hidden in shapes:
+        x = torch.randn(num_rows, hidden, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        moved = moved_bytes(num_rows, hidden, 2, residual=True)
+        row = {"T": num_rows, "H": hidden}
+        for name, fn in (("triton", add_rms_norm), ("reference", add_rms_norm_ref)):
+            us = graph_us(lambda fn=fn, x=x, r=r, w=w: fn(x, r, w, 1e-5))
+            row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
+        rows.append(row)
+        print(
+            f"T={num_rows:5d} H={hidden:5d}  triton {row['triton_us']:7.2f} us "
+            f"{row['triton_gbs']:7.1f} GB/s   reference {row['reference_us']:7.2f} us"
+        )
+    return rows
+
+
+TUNE_WARPS = (1, 2, 4, 8, 16)
+TUNE_SHAPES = (*REAL_SHAPES, (32, 128), (2048, 128), (65536, 128))
+
+
+def tune(
+    shapes: tuple[tuple[int, int], ...] = TUNE_SHAPES, target: str = "h100", write: bool = True
+) -> ConfigTable:
+    """Time add_rms_norm (bf16) with every num_warps in TUNE_WARPS per shape class on this CUDA
+    device and record the fastest, with provenance, under `target` in configs/add_rms_norm.json.
+    A few seconds: the only knob is the warp count of a one-row program."""
+    if not torch.cuda.is_available() or INTERPRETED:
+        raise RmsNormKernelError("tune() needs a CUDA device and compiled Triton")
+    table = ConfigTable.load(CONFIG_FILE)
+    info = _provenance()
+    entries = []
+    for num_rows, hidden in shapes:
+        x = torch.randn(num_rows, hidden, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        times = {}
+        for warps in TUNE_WARPS:
+            if warps * 32 > triton.next_power_of_2(hidden):  # more threads than elements
+                continue
+            times[warps] = graph_us(
+                lambda warps=warps, x=x, r=r, w=w: rms_norm_triton(x, w, 1e-5, r, num_warps=warps)
+            )
+        best = min(times, key=times.get)
+        us = {str(k): round(v, 2) for k, v in times.items()}
+        entries.append(
+            ConfigEntry(shape_key(num_rows, hidden), {"num_warps": best}, {**info, "us": us})
+        )
+        print(f"T={num_rows:6d} H={hidden:5d}: num_warps {best}  {us}", flush=True)
+    table.targets[target] = TargetConfigs(
+        True, entries, note=f"tuned on {info['device']} by add_rms_norm.tune() (add_rms_norm)"
+    )
+    if write:
+        print(f"wrote {table.save()}")
+    config_table.cache_clear()
+    config_for.cache_clear()
+    return table
+
+
+def _provenance() -> dict:
+    return {
+        "device": torch.cuda.get_device_name(),
+        "dtype": "bfloat16",
+        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(kernel_main(__doc__.splitlines()[0], check, bench, tune))

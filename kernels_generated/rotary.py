@@ -1,0 +1,427 @@
+"""Neox-style rotary embedding of q and k in Triton: one launch for both.
+
+Lowers `ce::rotary` (reference: `models.ops.rotary_ref`): positions [T], q [T, Hq, D],
+k [T, Hkv, D], cos_sin_cache [max_pos, rot_dim] (cos half then sin half, float32 as
+models/rope.py builds it); the first rot_dim dims of each head rotate, the rest pass through.
+For i < rot_dim / 2, with c, s the cos and sin of the token's position:
+
+    out[i]        = x[i] c[i] - x[i + half] s[i]
+    out[i + half] = x[i + half] c[i] + x[i] s[i]
+
+Grid `(T, head blocks)`: a program loads its token's position and cos/sin row once and rotates
+BLOCK_H heads; the head blocks of q come first, then those of k, so q and k share one launch.
+q and k arrive as strided views of the QKV projection's output (split + view, never copied):
+the kernel reads them through their token and head strides. The op is bound by memory
+bandwidth (q and k read once and written once); BLOCK_H and num_warps per target and shape
+class {HEADS = Hq + Hkv, D, T bucketed} live in configs/rotary.json, nearest key.
+
+Rounding follows the reference (and HF): cos and sin are rounded to the activation dtype,
+each product is rounded to it, then their sum; so the kernel equals the reference exactly on
+any device where float32 products round the same way.
+
+On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
+triton is first imported), which computes bf16 wrongly: CPU tensors must be float32 or
+float16. `check()` compares with the reference; `bench()` times it; `tune()` picks configs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+from kernels_generated.configs import (
+    CONFIG_DIR,
+    ConfigEntry,
+    ConfigTable,
+    TargetConfigs,
+    bucket_tokens,
+)
+from kernels_generated.timing import graph_us, kernel_main
+from models.ops import rotary_fake, rotary_ref
+
+CONFIG_FILE = CONFIG_DIR / "rotary.json"
+_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
+
+
+class RotaryKernelError(RuntimeError):
+    """The Triton rotary kernel cannot run these inputs here; the message says why."""
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # this token's first head
+    out_ptr,
+    first_head,
+    num_heads,
+    stride_xh,
+    stride_oh,
+    cos,  # [1, BLOCK_HALF] float32, already rounded to the activation dtype
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    REST: tl.constexpr,  # head_dim - rot_dim: dims that pass through
+    BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    heads = first_head + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    mask = (heads < num_heads) & (cols < HALF)
+    x_row = x_ptr + heads * stride_xh
+    o_row = out_ptr + heads * stride_oh
+    x1 = tl.load(x_row + cols, mask=mask, other=0.0)
+    x2 = tl.load(x_row + HALF + cols, mask=mask, other=0.0)
+    dtype = x1.dtype
+    # float32 arithmetic, rounded to the activation dtype after each product and after the
+    # sum: the reference's `rot * cos + rotate_half(rot) * sin` in that dtype.
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    x1c = (a1 * cos).to(dtype).to(tl.float32)
+    x2s = (a2 * sin).to(dtype).to(tl.float32)
+    x2c = (a2 * cos).to(dtype).to(tl.float32)
+    x1s = (a1 * sin).to(dtype).to(tl.float32)
+    tl.store(o_row + cols, (x1c - x2s).to(dtype), mask=mask)
+    tl.store(o_row + HALF + cols, (x2c + x1s).to(dtype), mask=mask)
+    if REST > 0:
+        rest = tl.arange(0, BLOCK_REST)[None, :]
+        rest_mask = (heads < num_heads) & (rest < REST)
+        passed = tl.load(x_row + 2 * HALF + rest, mask=rest_mask)
+        tl.store(o_row + 2 * HALF + rest, passed, mask=rest_mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [T] int
+    q_ptr,  # [T, Hq, D], unit last stride
+    k_ptr,  # [T, Hkv, D]
+    cache_ptr,  # [max_pos, rot_dim]: cos half, sin half
+    q_out_ptr,
+    k_out_ptr,
+    num_q_heads,
+    num_kv_heads,
+    q_blocks,  # cdiv(Hq, BLOCK_H): program ids past it rotate k
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cache,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    REST: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cache_ptr + pos * stride_cache
+    cos = tl.load(row + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(row + HALF + cols, mask=cols < HALF, other=0.0)
+    # The reference casts the float32 table to the activation dtype before multiplying.
+    act = q_ptr.dtype.element_ty
+    cos = cos.to(act).to(tl.float32)
+    sin = sin.to(act).to(tl.float32)
+    if block < q_blocks:
+        _rotate_heads(
+            q_ptr + token * stride_qt,
+            q_out_ptr + token * stride_qot,
+            block * BLOCK_H,
+            num_q_heads,
+            stride_qh,
+            stride_qoh,
+            cos,
+            sin,
+            HALF,
+            BLOCK_HALF,
+            REST,
+            BLOCK_REST,
+            BLOCK_H,
+        )
+    else:
+        _rotate_heads(
+            k_ptr + token * stride_kt,
+            k_out_ptr + token * stride_kot,
+            (block - q_blocks) * BLOCK_H,
+            num_kv_heads,
+            stride_kh,
+            stride_koh,
+            cos,
+            sin,
+            HALF,
+            BLOCK_HALF,
+            REST,
+            BLOCK_REST,
+            BLOCK_H,
+        )
+
+
+INTERPRETED = not isinstance(_rotary_kernel, JITFunction)
+"""True when triton was imported with TRITON_INTERPRET=1: the kernel then runs on CPU tensors."""
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@functools.cache
+def config_table() -> ConfigTable:
+    return ConfigTable.load(CONFIG_FILE)
+
+
+def shape_key(num_tokens: int, num_heads: int, head_dim: int) -> dict[str, int]:
+    """Heads counts q and k together: that is what the grid spreads over."""
+    return {"HEADS": num_heads, "D": head_dim, "T": bucket_tokens(num_tokens)}
+
+
+@functools.cache
+def config_for(target: str, tokens_bucket: int, num_heads: int, head_dim: int) -> dict:
+    """The launch config of a shape class (cached: looked up once per class, not per call)."""
+    return config_table().lookup(target, {"HEADS": num_heads, "D": head_dim, "T": tokens_bucket})
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _validate(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise RotaryKernelError(
+            f"want q [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if positions.shape != (q.shape[0],):
+        raise RotaryKernelError(f"positions {tuple(positions.shape)} != [{q.shape[0]}]")
+    rot_dim = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rot_dim % 2 or rot_dim > q.shape[2]:
+        raise RotaryKernelError(
+            f"cos_sin_cache {tuple(cos_sin_cache.shape)} must be [max_pos, rot_dim] with an "
+            f"even rot_dim <= head_dim {q.shape[2]}"
+        )
+    if q.dtype != k.dtype:
+        raise RotaryKernelError(f"q is {q.dtype} and k {k.dtype}; the kernel wants one dtype")
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise RotaryKernelError(
+            "the Triton rotary kernel runs on CPU tensors only under the interpreter: set "
+            "TRITON_INTERPRET=1 before triton is first imported, or leave the pass off on cpu"
+        )
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise RotaryKernelError(
+            "the Triton interpreter computes bfloat16 wrongly; use float32 or float16 on CPU"
+        )
+
+
+def rotary_triton(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    cos_sin_cache: Tensor,
+    *,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Same contract as `models.ops.rotary`: returns rotated (q, k), new tensors laid out as
+    the op's fake promises (`empty_like`). block_h / num_warps override the config."""
+    _validate(positions, q, k, cos_sin_cache)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return q_out, k_out
+    # The kernel wants a unit stride along head_dim; views of the QKV output have it.
+    q_in = q if q.stride(-1) == 1 else q.contiguous()
+    k_in = k if k.stride(-1) == 1 else k.contiguous()
+    direct = q_out.stride(-1) == 1 and k_out.stride(-1) == 1
+    q_dst = q_out if direct else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_dst = k_out if direct else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+
+    target = _TARGET_OF_DEVICE[q.device.type]
+    config = config_for(target, bucket_tokens(num_tokens), num_q_heads + num_kv_heads, head_dim)
+    heads_per_program = block_h or config["BLOCK_H"]
+    half = cache.shape[-1] // 2
+    rest = head_dim - 2 * half
+    q_blocks = triton.cdiv(num_q_heads, heads_per_program)
+    grid = (num_tokens, q_blocks + triton.cdiv(num_kv_heads, heads_per_program))
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _rotary_kernel[grid](
+            positions,
+            q_in,
+            k_in,
+            cache,
+            q_dst,
+            k_dst,
+            num_q_heads,
+            num_kv_heads,
+            q_blocks,
+            q_in.stride(0),
+            q_in.stride(1),
+            k_in.stride(0),
+            k_in.stride(1),
+            q_dst.stride(0),
+            q_dst.stride(1),
+            k_dst.stride(0),
+            k_dst.stride(1),
+            cache.stride(0),
+            HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            REST=rest,
+            BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
+            BLOCK_H=heads_per_program,
+            num_warps=num_warps or config["num_warps"],
+        )
+    if not direct:
+        q_out.copy_(q_dst)
+        k_out.copy_(k_dst)
+    return q_out, k_out
+
+
+# The op the rotary_triton pass swaps in for ce::rotary: the same schema and fake, opaque to
+# Dynamo and Inductor (torch.library.triton_op fails under torch.compile on CPU).
+@torch.library.custom_op("ce_kernels::rotary", mutates_args=())
+def rotary(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """`ce::rotary` computed by the Triton kernel."""
+    return rotary_triton(positions, q, k, cos_sin_cache)
+
+
+rotary.register_fake(rotary_fake)
+
+
+# --------------------------------------------------------------------------- inputs, check, bench
+
+
+def make_inputs(
+    num_tokens: int,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    *,
+    rot_dim: int | None = None,
+    max_positions: int = 4096,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(positions, q, k, cos_sin_cache) as the model hands them over: q and k strided views of
+    one [T, (Hq + 2 Hkv) D] QKV output, random positions, a float32 table of real angles."""
+    from models.rope import cos_sin_table
+
+    rot_dim = head_dim if rot_dim is None else rot_dim
+    gen = torch.Generator(device=device).manual_seed(seed)
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen, device=device).to(dtype)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, num_q_heads, head_dim)  # [T, Hq, D], strided
+    k = k.view(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D], strided
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=device)
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    cache = cos_sin_table(rope, rot_dim, max_positions).to(device)
+    return positions, q, k, cache
+
+
+def moved_bytes(num_tokens: int, num_heads: int, head_dim: int, element_size: int) -> int:
+    """q and k read and written, plus each token's float32 cos/sin row."""
+    return 2 * num_tokens * num_heads * head_dim * element_size + num_tokens * head_dim * 4
+
+
+def check(shapes: tuple[tuple[int, int, int, int], ...] | None = None, dtype=None) -> float:
+    """Compare the op with the reference on this machine's device; return the largest absolute
+    error. CPU: small float32 shapes under the interpreter. CUDA: Llama-3-8B heads in bf16.
+    Exact in every dtype: the kernel rounds where the reference does."""
+    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+    if shapes is None:
+        shapes = ((1, 4, 2, 16), (7, 4, 2, 16)) if device == "cpu" else REAL_SHAPES
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    worst = 0.0
+    for num_tokens, hq, hkv, head_dim in shapes:
+        args = make_inputs(num_tokens, hq, hkv, head_dim, dtype=dtype, device=device)
+        for got, want in zip(rotary(*args), rotary_ref(*args), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
+REAL_SHAPES = tuple((t, 32, 8, 128) for t in (1, 64, 256, 2048))
+
+
+def bench(shapes: tuple[tuple[int, int, int, int], ...] = REAL_SHAPES) -> list[dict]:
+    """Microseconds and GB/s of the op against the eager reference, bf16 on CUDA, from CUDA-graph
+    replay. Inductor's fusion of the reference is timed by `bench fusions`."""
+    if not torch.cuda.is_available() or INTERPRETED:
+        raise RotaryKernelError("bench() needs a CUDA device and compiled Triton")
+    rows = []
+    for num_tokens, hq, hkv, head_dim in shapes:
+        args = make_inputs(num_tokens, hq, hkv, head_dim)
+        moved = moved_bytes(num_tokens, hq + hkv, head_dim, 2)
+        row = {"T": num_tokens}
+        for name, fn in (("triton", rotary), ("reference", rotary_ref)):
+            us = graph_us(lambda fn=fn, args=args: fn(*args))
+            row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
+        rows.append(row)
+        print(
+            f"T={num_tokens:5d}  triton {row['triton_us']:7.2f} us {row['triton_gbs']:7.1f} GB/s"
+            f"   reference {row['reference_us']:7.2f} us"
+        )
+    return rows
+
+
+TUNE_CONFIGS = tuple(
+    {"BLOCK_H": h, "num_warps": w} for h in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8) if w <= 2 * h
+)
+
+
+def tune(
+    shapes: tuple[tuple[int, int, int, int], ...] = REAL_SHAPES,
+    target: str = "h100",
+    write: bool = True,
+) -> ConfigTable:
+    """Time the op (bf16) with every config of TUNE_CONFIGS per shape class on this CUDA device
+    and record the fastest, with provenance, under `target` in configs/rotary.json."""
+    if not torch.cuda.is_available() or INTERPRETED:
+        raise RotaryKernelError("tune() needs a CUDA device and compiled Triton")
+    table = ConfigTable.load(CONFIG_FILE)
+    info = {
+        "device": torch.cuda.get_device_name(),
+        "dtype": "bfloat16",
+        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+    }
+    entries = []
+    for num_tokens, hq, hkv, head_dim in shapes:
+        args = make_inputs(num_tokens, hq, hkv, head_dim)
+        times = []
+        for config in TUNE_CONFIGS:
+            if config["BLOCK_H"] > triton.next_power_of_2(hq):
+                continue
+            us = graph_us(
+                lambda c=config, args=args: rotary_triton(
+                    *args, block_h=c["BLOCK_H"], num_warps=c["num_warps"]
+                )
+            )
+            times.append((us, config))
+        us, best = min(times, key=lambda t: t[0])
+        worst = max(t[0] for t in times)
+        key = shape_key(num_tokens, hq + hkv, head_dim)
+        timing = {"us": round(us, 2), "worst_us": round(worst, 2)}
+        entries.append(ConfigEntry(key, best, {**info, **timing}))
+        print(f"T={num_tokens:5d}: {best} {us:.2f} us (worst {worst:.2f} us)", flush=True)
+    table.targets[target] = TargetConfigs(
+        True, entries, note=f"tuned on {info['device']} by rotary.tune()"
+    )
+    if write:
+        print(f"wrote {table.save()}")
+    config_table.cache_clear()
+    config_for.cache_clear()
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(kernel_main(__doc__.splitlines()[0], check, bench, tune))

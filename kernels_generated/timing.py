@@ -1,0 +1,48 @@
+"""Timing for the kernel files' bench() and tune() and for `bench fusions`: CUDA-graph replay.
+
+A fusion kernel runs for microseconds, less than one Python launch of a custom op, so eager
+timing measures the host. The engine replays whole-model CUDA graphs, so a kernel is timed the
+same way: `fn` captured many times back to back in one graph, the graph replayed, the median
+per call kept. Inputs stay the same across calls, so anything under the L2 size (60 MB on the
+H200) is read from L2, as a layer's activations mostly are in the model too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def graph_us(fn: Callable[[], object], rep_ms: int = 20) -> float:
+    """Median microseconds of one `fn()` replayed from a CUDA graph (triton.testing's
+    do_bench_cudagraph: as many calls as fill `rep_ms`, ten replays)."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()  # compile and autotune outside the capture
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
+def kernel_main(
+    description: str,
+    check: Callable[[], float],
+    bench: Callable[[], object],
+    tune: Callable[[], object],
+    argv: list[str] | None = None,
+) -> int:
+    """`python -m kernels_generated.<kernel> [--tune]` for a Triton fusion kernel file: check
+    against the reference (and bench on a GPU), or tune its configs on the GPU."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--tune", action="store_true", help="time the configs on this GPU, write the configs file"
+    )
+    args = parser.parse_args(argv)
+    if args.tune:
+        tune()
+        return 0
+    print(f"check: max abs error {check()}")
+    if torch.cuda.is_available():
+        bench()
+    return 0

@@ -1,0 +1,44 @@
+"""rms_norm and residual-add + rms_norm -> the Triton kernel (kernels_generated/add_rms_norm.py).
+
+Matches: every `ce.rms_norm` and `ce.add_rms_norm` node: in a Llama-family model the first
+layer's input norm (no residual yet), the two add + norms of every layer after it, the final
+add + norm, and Qwen3's q and k norms. Emits: `ce_kernels.rms_norm` / `ce_kernels.add_rms_norm`,
+opaque custom ops with the same schemas around the Triton kernel (one row per program, float32
+accumulation, both outputs of the add written in one pass), launch configs per shape class from
+configs/add_rms_norm.json. Applies on h100 in every dtype (the kernel computes in float32).
+
+Default: decided by `bench fusions` on the H200 against Inductor's own fusion of the reference
+(which lower_to_reference hands it when this pass is off); see docs/compiler.md for the numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from passes.base import GraphPass, PassContext, op_nodes
+from passes.registry import register
+
+
+@register
+class RmsNormTriton(GraphPass):
+    name = "rms_norm_triton"
+    description = "rms_norm, add_rms_norm -> Triton kernel, one row per program"
+    targets = ("h100",)
+    default_on = False
+    kernel_files = (
+        "kernels_generated/add_rms_norm.py",
+        "kernels_generated/configs/add_rms_norm.json",
+    )
+
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
+        # Imported here: listing passes or building for cpu must not import triton.
+        import kernels_generated.add_rms_norm  # noqa: F401  (registers ce_kernels ops)
+
+        count = 0
+        for op_name in ("rms_norm", "add_rms_norm"):
+            kernel = getattr(torch.ops.ce_kernels, op_name).default
+            for node in op_nodes(graph, op_name):
+                node.target = kernel
+                count += 1
+        return count

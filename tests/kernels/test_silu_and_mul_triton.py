@@ -1,0 +1,55 @@
+"""The plain Triton silu_and_mul kernel against `models.ops.silu_and_mul_ref`.
+
+The CPU cases run in the TRITON_INTERPRET=1 child that test_triton_fusions_interpreted.py
+starts (see test_add_rms_norm.py for why); the GPU case: bf16 at Llama-3-8B's intermediate
+size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_generated import silu_and_mul as k
+from kernels_generated.configs import ConfigTable
+from models.ops import silu_and_mul_ref
+
+interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or k.INTERPRETED,
+    reason="needs CUDA (and compiled, not interpreted, Triton)",
+)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape,block", [((1, 8), 16), ((5, 40), 16), ((3, 600), 256)])
+def test_interpreted_matches_reference(shape, block, dtype):
+    # Blocks smaller than I: several programs per token, the last one partly masked.
+    num_tokens, inter = shape
+    x = torch.randn(num_tokens, 2 * inter, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.testing.assert_close(k.silu_and_mul_triton(x, block=block), silu_and_mul_ref(x))
+
+
+@interpreted
+def test_interpreted_op_any_leading_dims_and_check():
+    x = torch.randn(2, 3, 2 * 16)  # [B, T, 2I]: flattened to [B*T, 2I] and back
+    out = torch.ops.ce_kernels.silu_and_mul(x)
+    assert out.shape == (2, 3, 16)
+    torch.testing.assert_close(out, silu_and_mul_ref(x))
+    assert k.check() < 1e-5
+
+
+def test_shipped_configs_file():
+    table = ConfigTable.load(k.CONFIG_FILE)
+    assert table.kernel == "silu_and_mul" and table.key_names == ("I", "T")
+    for target in ("h100", "cpu"):
+        section = table.targets[target]
+        assert section.tuned == bool(section.entries)  # entries come only from tune()
+        for entry in section.entries:
+            assert entry.config in k.TUNE_CONFIGS
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_real_shapes_bf16():
+    k.check()  # I = 14336 at T = 1, 64, 256, 2048, bf16

@@ -1,0 +1,60 @@
+"""rotary_triton: one match per layer on h100, none on cpu; numerics with it off.
+
+The numerics case runs the Triton kernel, which on CPU needs TRITON_INTERPRET=1 from the
+start of the process: it runs in the child pytest that test_triton_passes_interpreted.py
+starts. The pass decides from the context only, so a context of h100 rewrites the graph while
+the tensors stay on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from passes.base import PassContext
+from passes.registry import select
+from passes.testing import (
+    apply_pass,
+    assert_numerics_unchanged,
+    capture_graph,
+    count_matches,
+    make_model_dir,
+    targets_of,
+)
+
+LAYERS = 2  # tests/tiny_models
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_graph("llama")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_match_per_layer_on_h100(graph, dtype):
+    ctx = PassContext("h100", dtype)
+    assert count_matches("rotary_triton", graph, ctx) == LAYERS
+    targets = targets_of(apply_pass("rotary_triton", graph, ctx))
+    assert torch.ops.ce.rotary.default not in targets
+    assert targets.count(torch.ops.ce_kernels.rotary.default) == LAYERS
+
+
+def test_does_not_apply_on_cpu(graph):
+    assert count_matches("rotary_triton", graph, PassContext("cpu", torch.float32)) == 0
+
+
+def test_off_by_default_and_selectable():
+    # Off: it does not beat Inductor's fusion of the reference on the H200 (docs/compiler.md).
+    assert "rotary_triton" not in [p.name for p in select(None)]
+    chosen = [p.name for p in select("+rotary_triton")]
+    assert chosen.index("rotary_triton") < chosen.index("lower_to_reference")
+
+
+@pytest.mark.interpreted_child("TRITON_INTERPRET")
+def test_interpreted_numerics_unchanged(tmp_path):
+    # float16: the kernel rounds exactly where the reference does, so the float32 tolerance
+    # holds in half precision too, and half precision is what the GPU serves.
+    directory = make_model_dir("llama", tmp_path)
+    result = assert_numerics_unchanged(
+        "rotary_triton", directory, target="h100", dtype=torch.float16
+    )
+    assert result["matches"] == LAYERS
