@@ -30,7 +30,14 @@ from passes.manager import PassManager
 log = logging.getLogger(__name__)
 
 # Attention ops are where the graph splits: the reference and every kernel lowering of it.
-SPLIT_OP_NAMES = ("ce::paged_attention", "ce_kernels::paged_attention")
+# MLA's naive op and its absorbed latent core (passes/mla_absorb.py) are attention too.
+SPLIT_OP_NAMES = (
+    "ce::paged_attention",
+    "ce_kernels::paged_attention",
+    "ce::mla_attention",
+    "ce::mla_latent_attention",
+    "ce_kernels::mla_latent_attention",
+)
 
 
 def is_split_node(node: fx.Node) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.errors import UnsupportedModelError
 from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -16,6 +17,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -92,8 +92,7 @@ def capture_graph(
     model = load_model(model_dir, dtype=dtype).model
     cfg = model.config
     kv_caches = [
-        torch.zeros(2, 2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-        for _ in range(cfg.num_layers)
+        torch.zeros(model.kv_cache_shape(2, 16), dtype=dtype) for _ in range(cfg.num_layers)
     ]
     ids, positions, meta = dummy_batch(cfg.vocab_size, torch.device("cpu"))
     for t in (ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
@@ -165,6 +164,9 @@ class _CompiledModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.model.kv_cache_shape(num_blocks, block_size)
 
 
 def _eager_piece(gm: fx.GraphModule, args: list) -> Callable:

@@ -18,7 +18,7 @@ class PagedHarness:
         self.forward = forward or model  # e.g. a CompiledForward of the same model
         param = next(model.parameters())
         self.device = param.device
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = model.kv_cache_shape(num_blocks, block_size)  # K/V, or a latent (MLA)
         self.kv_caches = [
             torch.zeros(shape, dtype=param.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]

@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from models import ops
+from models import mla, ops
 from models.rope import cos_sin_table
 
 
@@ -330,6 +330,29 @@ def _compile_case(name: str):
         return (
             lambda *a: ops.paged_attention(*a, scale),
             lambda *a: ops.paged_attention_ref(*a, scale),
+            args,
+        )
+    if name in ("mla_attention", "mla_latent_attention"):
+        # Latent cache [6 blocks, 3 slots, R 8 + P 4]. Sequence 0: 2 new tokens at positions
+        # 4, 5 (block 1); sequence 1: a 3-token prefill into block 3.
+        meta = (
+            torch.tensor([4, 5, 9, 10, 11]),
+            torch.tensor([[0, 1, 0], [3, 5, 2]], dtype=torch.int32),
+            torch.tensor([6, 3], dtype=torch.int32),
+            torch.tensor([0, 2, 5], dtype=torch.int32),
+        )
+        latent, cache = _randn(5, 12, seed=21), _randn(6, 3, 12, seed=22)
+        if name == "mla_attention":  # q [T, H 2, N 6 + P 4], kv_b_proj [H (N 6 + V 5), R 8]
+            args = (_randn(5, 2, 10, seed=23), latent, cache, *meta, _randn(22, 8, seed=24))
+            return (
+                lambda *a: mla.mla_attention(*a, scale),
+                lambda *a: mla.mla_attention_ref(*a, scale),
+                args,
+            )
+        args = (_randn(5, 2, 12, seed=23), latent, cache, *meta)
+        return (
+            lambda *a: mla.mla_latent_attention(*a, 8, scale),
+            lambda *a: mla.mla_latent_attention_ref(*a, 8, scale),
             args,
         )
     raise AssertionError(f"no compile case for op {name}")
