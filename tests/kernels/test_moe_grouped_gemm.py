@@ -96,6 +96,22 @@ def test_config_table_picks_nearest_entry():
     )
 
 
+def test_benchmark_report_and_active_expert_count():
+    from benchmarks import moe as bench_moe
+
+    assert bench_moe.expected_busy_experts(128, 8, 1) == pytest.approx(8)
+    assert 120 < bench_moe.expected_busy_experts(128, 8, 64) < 128
+    row = dict(experts=128, hidden=2048, inter=768, top_k=8, tokens=64, fused_ms=0.3,
+               loop_ms=38.5, speedup=128.3, fused_weight_GB_s=3877.0,
+               fused_TFLOP_s=15.6)  # fmt: skip
+    decode = {"model": "m", "input_len": 32, "output_len": 128,
+              "batches": {"1": {"decode_tok_s": 697.2, "ms_per_step": 1.43,
+                                "active_roofline_pct": 25.0}}}  # fmt: skip
+    lines = bench_moe.render_details({"kernel": [row], "decode": decode})
+    assert any("| 64 | 0.300 | 38.500 | 128.3x |" in line for line in lines)
+    assert any(line.startswith("| 1 | 697.2 | 1.43 | 25% |") for line in lines)
+
+
 def test_fake_gives_output_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -133,8 +149,9 @@ def test_gpu_bf16_matches_reference(shape, num_tokens):
     num_experts, hidden, inter, top_k = shape
     inputs = mk.make_inputs(num_tokens, num_experts, hidden, inter, top_k,
                             dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    result = mk.check(inputs, atol=3e-2)
-    assert result["cosine"] >= 0.999, result
+    # bf16 rounding of h and of the output: relative to the output's scale (I up to 3584).
+    result = mk.check(inputs, rtol=1e-2)
+    assert result["cosine"] >= 0.9999, result
 
 
 @pytest.mark.gpu
