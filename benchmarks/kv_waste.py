@@ -7,7 +7,7 @@ request is inspected:
 
     allocated = blocks in its table * block_size
     used      = tokens whose KV is stored or is written this step
-                (num_computed_tokens, plus num_new_tokens if it is scheduled this step)
+                (num_computed_tokens, which schedule() advances by the tokens it hands out)
     waste     = allocated - used
 
 Paging promises waste < block_size per running request (only the last block is partial). The
@@ -49,7 +49,6 @@ class WasteProbe:
 
     def _measured_schedule(self):
         output = self._schedule()
-        scheduled = {s.request.request_id: s.num_new_tokens for s in output.scheduled}
         kv = self.scheduler.kv
         if self.check_integrity:
             kv.check_integrity()
@@ -58,7 +57,8 @@ class WasteProbe:
         for request in self.scheduler.running:
             rid = request.request_id
             slots = len(kv.get_block_ids(rid)) * self.block_size
-            stored = request.num_computed_tokens + scheduled.get(rid, 0)
+            # schedule() already counts this step's tokens as computed (they are being written).
+            stored = request.num_computed_tokens
             waste = slots - stored
             worst = max(worst, waste)
             allocated += slots

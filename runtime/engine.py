@@ -22,6 +22,7 @@ from models.loader import LoadedModel, load_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import (
+    InFlightStep,
     ModelRunner,
     TokenLogprobs,
     default_num_blocks,
@@ -56,6 +57,10 @@ class EngineConfig:
     max_waiting: int | None = None
     passes: str | None = None  # see passes/registry.py: "+name,-name" or "a,b"
     cuda_graphs: bool = True  # off: compiled pieces run without graphs (for measurements)
+    # Schedule and prepare step N+1 while step N runs on the device. Off, or while any live
+    # request uses a penalty (which needs every previous token on the host), steps run one at
+    # a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -222,6 +227,8 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._counter = 0
+        self._in_flight: InFlightStep | None = None
+        self._needs_history: set[str] = set()  # live groups whose sampling reads past tokens
         log.info(
             "engine ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d",
             time.perf_counter() - t0,
@@ -314,6 +321,8 @@ class LLMEngine:
             raise
         group = _Group(request_id, text, token_ids, sequences, now)
         self.groups[request_id] = group
+        if params.needs_output_history:
+            self._needs_history.add(request_id)
         for seq in sequences:
             self._seq_of[seq.request.request_id] = (group, seq)
 
@@ -321,6 +330,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
+        self._needs_history.discard(request_id)
         ids = [s.request.request_id for s in group.sequences]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
@@ -328,7 +338,7 @@ class LLMEngine:
             self.runner.release(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self._in_flight is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -336,9 +346,35 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of every request that changed."""
+        """Schedule and launch one step; return the outputs of every request that changed.
+
+        With async scheduling one step stays in flight: this call schedules and launches step
+        N+1 (its pending tokens come from step N on the device), then waits for step N's
+        tokens and processes them, so the host's work overlaps the device's. The outputs are
+        therefore one step behind the launches; the tokens are the same.
+        """
+        outputs: list[RequestOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not self._overlap():
+            outputs, previous = self._process(previous), None
         step = self.scheduler.schedule()
-        result = self.runner.execute(step)
+        launched = self.runner.launch(step, previous) if step.scheduled else None
+        if previous is not None:
+            outputs = self._process(previous)
+        if launched is not None:
+            if self._overlap():
+                self._in_flight = launched
+            else:
+                outputs += self._process(launched)
+        return outputs
+
+    def _overlap(self) -> bool:
+        return self.config.async_scheduling and not self._needs_history
+
+    def _process(self, flight: InFlightStep) -> list[RequestOutput]:
+        """Deliver a launched step's tokens: scheduler update, stop strings, text."""
+        step = flight.step
+        result = self.runner.collect(flight)
         self.scheduler.update_from_output(step, result.sampled)
         changed: dict[str, _Group] = {}
         for rid, token in result.sampled.items():
@@ -389,6 +425,7 @@ class LLMEngine:
         finished = group.finished
         if finished:
             self.groups.pop(group.request_id, None)
+            self._needs_history.discard(group.request_id)
             for seq in group.sequences:
                 self._seq_of.pop(seq.request.request_id, None)
         return RequestOutput(

@@ -18,7 +18,7 @@ from compiler.cuda_graphs import CUDAGraphRunner
 from models.layers import AttentionMetadata
 from models.loader import LoadedModel
 from runtime.sampler import Sampler, SamplingBatch
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduler import PENDING_TOKEN, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,29 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # most likely first
+
+
+@dataclass(slots=True)
+class PreparedInputs:
+    input_ids: torch.Tensor  # [T] host; PENDING_TOKEN where the value is on the device
+    positions: torch.Tensor  # [T] host
+    meta: AttentionMetadata  # host tensors
+    sample_rows: np.ndarray  # [S] the token row of each sampling request
+    pending: list[tuple[int, str]]  # (token row, request id) of each pending token
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step: its device work is queued, its sampled tokens are on their way."""
+
+    step: SchedulerOutput
+    sampling: list  # the requests that sample, in row order
+    rows: dict[str, int]  # request id -> row of token_ids
+    token_ids: torch.Tensor | None  # [S] on the device: inputs of the next step's pending tokens
+    host: list[torch.Tensor] | None  # tokens (+ logprobs, top ids, top values) on the host
+    done: torch.cuda.Event | None  # recorded after the copies (None on CPU)
+    num_logprobs: list[int | None] | None
+    has_logprobs: bool
 
 
 @dataclass(slots=True)
@@ -136,9 +159,7 @@ class ModelRunner:
             self.generators[request.request_id] = gen
         return gen
 
-    def prepare(
-        self, step: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, step: SchedulerOutput) -> PreparedInputs:
         # Host-side and vectorised with numpy: at batch 256 this runs every step, and per-row
         # torch calls cost more than the graph replay they feed (bench breakdown).
         scheduled = step.scheduled
@@ -164,16 +185,23 @@ class ModelRunner:
         sample_rows = np.fromiter(
             (starts[i + 1] - 1 for i, it in enumerate(scheduled) if it.samples), np.int64
         )
+        # A pending token is only ever the last of its request's chunk (the one before it was
+        # computed by the step that sampled it).
+        pending = [
+            (int(starts[i + 1]) - 1, it.request.request_id)
+            for i, it in enumerate(scheduled)
+            if it.new_token_ids[-1] == PENDING_TOKEN
+        ]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots),
             block_tables=torch.from_numpy(tables),
             seq_lens=torch.from_numpy(seq_lens),
             query_start_loc=torch.from_numpy(starts),
         )
-        input_ids = torch.from_numpy(ids)
-        pos = torch.from_numpy(positions)
-        rows = torch.from_numpy(sample_rows)
-        return input_ids, pos, meta, rows  # host tensors: the graph runner copies them itself
+        # Host tensors: the graph runner copies them itself.
+        return PreparedInputs(
+            torch.from_numpy(ids), torch.from_numpy(positions), meta, sample_rows, pending
+        )
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -189,18 +217,44 @@ class ModelRunner:
                 for t in (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
             )
         )
-        return self.forward(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
+        ids, pos = input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True)
+        return self.forward(ids, pos, self.kv_caches, meta)
+
+    def _input_ids(self, inputs: PreparedInputs, previous: InFlightStep | None) -> torch.Tensor:
+        """The step's token ids on the device, pending ones read from the previous step's
+        sampled tokens there: the host never waits for them."""
+        ids = inputs.input_ids.to(self.device, non_blocking=True)
+        if not inputs.pending:
+            return ids
+        if previous is None or previous.token_ids is None:
+            raise RuntimeError("a step has pending tokens but no step in flight samples them")
+        try:
+            src = [previous.rows[rid] for _, rid in inputs.pending]
+        except KeyError as e:
+            raise RuntimeError(
+                f"request {e} has a pending token the last step did not sample"
+            ) from None
+        dst = torch.tensor([pos for pos, _ in inputs.pending], dtype=torch.int64)
+        src_rows = torch.tensor(src, dtype=torch.int64)
+        ids[dst.to(self.device, non_blocking=True)] = previous.token_ids[
+            src_rows.to(self.device, non_blocking=True)
+        ]
+        return ids
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def launch(self, step: SchedulerOutput, previous: InFlightStep | None = None) -> InFlightStep:
+        """Enqueue the step's model run and sampling on the device and return at once; the
+        sampled tokens are copied to the host in the background (`collect` waits for them).
+        `previous` is the step still in flight, whose sampled tokens feed this step's pending
+        ones."""
         if not step.scheduled:
-            return RunnerOutput({}, {})
-        input_ids, positions, meta, rows = self.prepare(step)
-        hidden = self._run_model(input_ids, positions, meta)
-        rows = rows.to(self.device, non_blocking=True)
+            return InFlightStep(step, [], {}, None, None, None, None, None)
+        inputs = self.prepare(step)
+        hidden = self._run_model(self._input_ids(inputs, previous), inputs.positions, inputs.meta)
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
-            return RunnerOutput({}, {})
+            return InFlightStep(step, [], {}, None, None, None, None, None)
+        rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],
@@ -210,18 +264,49 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
             eos_token_ids=self.eos_token_ids,
+            # The scheduler counted this step's own sample as pending already.
+            num_output_tokens=[r.num_output_tokens + r.num_pending_tokens - 1 for r in sampling],
         )
         out = self.sampler(logits, batch)
-        tokens = out.token_ids.tolist()  # the step's one device-to-host sync
-        sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
-        logprobs: dict[str, TokenLogprobs] = {}
+        host = [out.token_ids.to("cpu", non_blocking=True)]
         if out.logprobs is not None:
-            chosen = out.logprobs.tolist()
-            top_ids, top_vals = out.top_logprob_ids.tolist(), out.top_logprobs.tolist()
-            for i, r in enumerate(sampling):
-                k = r.sampling_params.logprobs
+            host += [
+                t.to("cpu", non_blocking=True)
+                for t in (out.logprobs, out.top_logprob_ids, out.top_logprobs)
+            ]
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return InFlightStep(
+            step,
+            sampling,
+            {r.request_id: i for i, r in enumerate(sampling)},
+            out.token_ids,
+            host,
+            done,
+            [r.sampling_params.logprobs for r in sampling],
+            out.logprobs is not None,
+        )
+
+    def collect(self, flight: InFlightStep) -> RunnerOutput:
+        """Wait for a launched step's tokens (the step's one device-to-host sync)."""
+        if not flight.sampling:
+            return RunnerOutput({}, {})
+        if flight.done is not None:
+            flight.done.synchronize()
+        tokens = flight.host[0].tolist()
+        sampled = {r.request_id: t for r, t in zip(flight.sampling, tokens, strict=True)}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if flight.has_logprobs:
+            chosen, top_ids, top_vals = (t.tolist() for t in flight.host[1:])
+            for i, (r, k) in enumerate(zip(flight.sampling, flight.num_logprobs, strict=True)):
                 if k is None:
                     continue
                 top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
                 logprobs[r.request_id] = TokenLogprobs(tokens[i], chosen[i], top)
         return RunnerOutput(sampled, logprobs)
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run one step synchronously (launch, then collect)."""
+        return self.collect(self.launch(step))

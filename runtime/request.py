@@ -68,7 +68,12 @@ class Request:
     # Resolved by the scheduler on admission (None in SamplingParams means "up to max_model_len").
     max_tokens: int | None = None
     status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose KV is in the cache or is being written by a step already launched.
     num_computed_tokens: int = 0
+    # Tokens sampled by launched steps whose values the host has not seen yet (0..2): with one
+    # step in flight the scheduler plans the next step around them, and the runner feeds them
+    # from the device (see Scheduler and LLMEngine.step).
+    num_pending_tokens: int = 0
     num_preemptions: int = 0
     # The stop token id (stop_token_ids), the stop string (found by the engine), or None.
     stop_reason: int | str | None = None
@@ -93,6 +98,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus the pending ones: what `num_computed_tokens` chases."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:

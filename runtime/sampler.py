@@ -77,11 +77,14 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        num_output_tokens: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Gather the rows' parameters into tensors, with one host-to-device copy each.
 
         `generators[i]` is the request's generator (made by the caller from its seed, on
-        `device`) or None; it is only used for non-greedy rows.
+        `device`) or None; it is only used for non-greedy rows. `num_output_tokens[i]` is how
+        many tokens precede the one sampled now (min_tokens); by default len(output_token_ids[i]),
+        which falls short while earlier tokens are still in flight.
         """
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
@@ -93,10 +96,10 @@ class SamplingBatch:
         sampled = [p for p in params if not p.greedy]
 
         def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+            return _to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)
 
         def index(values: list[int]) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=torch.long, device=device) if values else None
+            return _to_device(torch.tensor(values, dtype=torch.long), device) if values else None
 
         top_k = top_p = min_p = None
         if any(0 < p.top_k < vocab_size for p in sampled):
@@ -123,8 +126,10 @@ class SamplingBatch:
 
         banned_rows: list[int] = []
         banned_ids: list[int] = []
-        for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-            if len(out) < p.min_tokens:
+        if num_output_tokens is None:
+            num_output_tokens = [len(out) for out in output_token_ids]
+        for row, (p, n_out) in enumerate(zip(params, num_output_tokens, strict=True)):
+            if n_out < p.min_tokens:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 ids = sorted(i for i in ids if 0 <= i < vocab_size)
                 banned_rows += [row] * len(ids)
@@ -140,7 +145,7 @@ class SamplingBatch:
             num_rows=num_rows,
             vocab_size=vocab_size,
             all_greedy=all(greedy_rows),
-            greedy=torch.tensor(greedy_rows, dtype=torch.bool, device=device),
+            greedy=_to_device(torch.tensor(greedy_rows, dtype=torch.bool), device),
             temperature=column([p.temperature if not p.greedy else 1.0 for p in params]),
             top_k=top_k,
             top_p=top_p,
@@ -282,11 +287,18 @@ def _count_tokens(
     """[S, V] float32 occurrence counts, built with one padded copy and one scatter_add."""
     width = max((len(ids) for ids in token_ids), default=0)
     # Pad with an extra "vocab_size" column that swallows the padding and is dropped after.
-    padded = torch.tensor(
-        [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids],
-        dtype=torch.long,
-        device=device,
+    padded = _to_device(
+        torch.tensor(
+            [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids], dtype=torch.long
+        ),
+        device,
     ).reshape(len(token_ids), width)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy without waiting: a blocking host-to-device copy synchronises the stream, which
+    would make the host wait for the model step queued before it (async scheduling)."""
+    return host.to(device, non_blocking=True)

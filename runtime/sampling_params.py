@@ -83,3 +83,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling reads the values of earlier outputs (penalties): such a request
+        cannot be sampled while its previous token is still in flight."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

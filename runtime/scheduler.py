@@ -6,6 +6,12 @@ whatever budget is left (chunked prefill is always on), a decoding request needs
 prefix-cache hit or a forked sibling prompt starts a request part-way, and preemption by
 recompute simply resets `num_computed_tokens` to 0.
 
+One step may be in flight while the next is scheduled (LLMEngine overlaps the host's work with
+the device's): `schedule()` advances `num_computed_tokens` at once and counts each sampled token
+as *pending* until `update_from_output` delivers it. A pending token is scheduled like a known
+one; its id in `new_token_ids` is PENDING_TOKEN, which the runner fills from the device. Run
+synchronously (update before the next schedule), nothing is ever pending at schedule time.
+
 Order within a step: running requests first, in admission order, then waiting ones first come
 first served. When the KV pool runs dry for a running request, the most recently admitted running
 request is preempted (its blocks freed, its generated tokens kept) and put at the front of the
@@ -20,6 +26,9 @@ from dataclasses import dataclass, field
 
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
+
+# The id of a token sampled by a step still in flight; the runner reads its value on the device.
+PENDING_TOKEN = -1
 
 
 class InvalidSchedulerConfig(ValueError):
@@ -75,8 +84,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # at step start: positions of new_token_ids start here
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
-    samples: bool  # this chunk reaches the last known token: the runner samples one token
-    new_token_ids: list[int]
+    samples: bool  # this chunk reaches the last token: the runner samples one token
+    new_token_ids: list[int]  # PENDING_TOKEN where the token is still in flight
 
 
 @dataclass(slots=True)
@@ -101,6 +110,7 @@ class _StepBuilder:
     budget: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    num_new: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
 
 
 class Scheduler:
@@ -176,7 +186,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if self._finishes_on_pending(request):
+                i += 1  # its last token is in flight: nothing more to compute
+                continue
+            num_new = min(
+                request.num_tokens_with_pending - request.num_computed_tokens, step.budget
+            )
             while not self.kv.allocate_slots(request, num_new):
                 # Victims come from the end, which is never already scheduled this step.
                 victim = self.running.pop()
@@ -193,8 +208,15 @@ class Scheduler:
         skipped: list[Request] = []  # siblings waiting for their leader's prompt
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted while its step was in flight: admitted once that step lands
             leader = self._leader_of(request)
-            if leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens:
+            # A sibling forks the leader's prompt blocks only once an earlier step has
+            # written them: within one step, sequences must not read each other's new KV.
+            done = (
+                leader.num_computed_tokens - step.num_new.get(leader.request_id, 0) if leader else 0
+            )
+            if leader is not None and done < leader.num_prompt_tokens:
                 skipped.append(self.waiting.popleft())
                 continue
             if not self._admit(request, leader, step):
@@ -235,19 +257,33 @@ class Scheduler:
         self._emit(step, request, num_new)
         return True
 
+    def _finishes_on_pending(self, request: Request) -> bool:
+        """Whether a pending token already takes the request to max_tokens or max_model_len."""
+        if not request.num_pending_tokens:
+            return False
+        return (
+            request.num_output_tokens + request.num_pending_tokens >= request.max_tokens
+            or request.num_tokens_with_pending >= self.config.max_model_len
+        )
+
     def _emit(self, step: _StepBuilder, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        known = request.all_token_ids[start:end]
+        samples = end == request.num_tokens_with_pending
         step.scheduled.append(
             ScheduledRequest(
                 request=request,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
                 block_ids=self.kv.get_block_ids(request.request_id),
-                samples=end == request.num_tokens,
-                new_token_ids=request.all_token_ids[start:end],
+                samples=samples,
+                new_token_ids=known + [PENDING_TOKEN] * (num_new - len(known)),
             )
         )
+        request.num_computed_tokens = end
+        request.num_pending_tokens += samples
+        step.num_new[request.request_id] = num_new
         step.budget -= num_new
 
     def _preempt(self, request: Request) -> None:
@@ -272,10 +308,15 @@ class Scheduler:
             request = item.request
             if self.requests.get(request.request_id) is not request:
                 continue  # finished by finish_requests() while the step ran
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if request.status is RequestStatus.RUNNING:
+                # Every input token of this step is known by now (a pending one landed with
+                # the step before), so its full blocks can enter the prefix cache.
+                self.kv.cache_blocks(request, item.num_computed_tokens + item.num_new_tokens)
             if not item.samples:
                 continue
+            # A request preempted after this step was launched still gets the token: it was
+            # computed from a valid cache, and recompute will cover it.
+            request.num_pending_tokens -= 1
             try:
                 token = sampled[request.request_id]
             except KeyError:
@@ -285,6 +326,8 @@ class Scheduler:
             request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is not None:
+                if request.status is not RequestStatus.RUNNING:
+                    self.waiting.remove(request)  # preempted while its last step ran
                 self._finish(request, status)
                 finished.append(request)
         if finished:
@@ -379,7 +422,12 @@ class Scheduler:
         for r in self.running:
             assert self.requests[r.request_id] is r, f"{r.request_id}: stale object running"
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} running as {r.status.name}"
-            assert r.num_computed_tokens < r.num_tokens, f"{r.request_id} has nothing to compute"
+            assert r.num_computed_tokens <= r.num_tokens_with_pending, (
+                f"{r.request_id} computed past its tokens"
+            )
+            assert r.num_pending_tokens or r.num_computed_tokens < r.num_tokens, (
+                f"{r.request_id} has nothing to compute and nothing in flight"
+            )
             covered = len(self.kv.get_block_ids(r.request_id)) * bs
             assert covered >= r.num_computed_tokens, (
                 f"{r.request_id}: {r.num_computed_tokens} computed tokens but blocks for {covered}"

@@ -518,7 +518,14 @@ async def _completions(request: web.Request) -> web.StreamResponse:
                 choice.num_logprobs += len(new)
                 mine, choice.text_offset = _completion_logprobs(state, new, choice.text_offset)
                 logprobs = _merge_logprobs(logprobs, mine) if logprobs else mine
-            if not text and not (logprobs and logprobs["tokens"]) and c.finish_reason is None:
+            # A new token always makes a chunk, even with no text yet (a model without a
+            # tokenizer, or a held-back partial character): clients time tokens by chunks.
+            if (
+                not text
+                and not c.delta_token_ids
+                and not (logprobs and logprobs["tokens"])
+                and c.finish_reason is None
+            ):
                 return []
             index = run.prompt_index[out.request_id] * req.n + c.index
             body = {"index": index, "text": text, "logprobs": logprobs}

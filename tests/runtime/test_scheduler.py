@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import (
+    PENDING_TOKEN,
     DuplicateRequest,
     InvalidSchedulerConfig,
     QueueFull,
@@ -329,12 +330,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         # (block, slot) -> (salt, token prefix) of the request that last wrote it.
         self.slots: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
         self.count = 0
+        self.in_flight: list[tuple[SchedulerOutput, dict[str, int]]] = []
+        self.pending: dict[str, list[int]] = {}  # request id -> launched, not landed tokens
 
     def _report(self, finished: list[Request]) -> None:
         for request in finished:
             assert request.is_finished
             assert request.request_id not in self.reported, f"{request.request_id} finished twice"
             self.reported.add(request.request_id)
+            self.pending.pop(request.request_id, None)  # what is still in flight is dropped
 
     @rule(
         prompt=PROMPTS,
@@ -359,9 +363,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.add_request(request)
             self.added.add(rid)
 
+    @precondition(lambda self: len(self.in_flight) <= 1)
     @rule(data=st.data())
-    def step(self, data: st.DataObject) -> None:
+    def launch(self, data: st.DataObject) -> None:
+        """Schedule a step while at most one other is in flight (the engine's overlap), run it
+        on the model stand-in and draw its sampled tokens, which the host sees only at land."""
         running_before = {r.request_id for r in self.sched.running}
+        # What each request's token list will be once every launched token lands.
+        future = {
+            rid: r.all_token_ids + self.pending.get(rid, [])
+            for rid, r in self.sched.requests.items()
+        }
         out = self.sched.schedule()
         if out.preempted_ids:
             # No admissions in a step that preempted: the victim would just thrash back in.
@@ -374,24 +386,43 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted")
         sampled = {}
         for s in out.scheduled:
-            self._run_model(s.request, s.num_computed_tokens, s.num_new_tokens, s.block_ids)
-            assert (
-                s.new_token_ids
-                == s.request.all_token_ids[s.num_computed_tokens :][: s.num_new_tokens]
-            )
-            assert s.samples == (s.num_computed_tokens + s.num_new_tokens == s.request.num_tokens)
+            rid, r = s.request.request_id, s.request
+            tokens = future[rid]
+            self._run_model(r, tokens, s.num_computed_tokens, s.num_new_tokens, s.block_ids)
+            end = s.num_computed_tokens + s.num_new_tokens
+            expected = [
+                t if pos < r.num_tokens else PENDING_TOKEN
+                for pos, t in enumerate(tokens[s.num_computed_tokens : end], s.num_computed_tokens)
+            ]
+            assert s.new_token_ids == expected
+            assert s.samples == (end == len(tokens))
+            if PENDING_TOKEN in s.new_token_ids:
+                event("a pending token scheduled")
             if s.samples:
-                sampled[s.request.request_id] = data.draw(
-                    st.sampled_from([EOS, 1, 2, 2]), label="token"
-                )
-            if s.num_computed_tokens and s.request.num_output_tokens == 0:
+                token = data.draw(st.sampled_from([EOS, 1, 2, 2]), label="token")
+                sampled[rid] = token
+                self.pending.setdefault(rid, []).append(token)
+            if s.num_computed_tokens and r.num_output_tokens == 0:
                 event("started part-way (prefix hit or fork)")
+        self.in_flight.append((out, sampled))
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def land(self) -> None:
+        """The oldest launched step's tokens reach the host."""
+        out, sampled = self.in_flight.pop(0)
+        for rid, token in sampled.items():
+            if rid in self.pending:  # else it finished while this step was in flight
+                assert self.pending[rid].pop(0) == token
         self._report(self.sched.update_from_output(out, sampled))
 
-    def _run_model(self, request: Request, start: int, num_new: int, block_ids: list[int]):
-        """Check the chunk reads only KV of its own salt and prefix, then 'write' its own."""
+    def _run_model(
+        self, request: Request, tokens: list[int], start: int, num_new: int, block_ids: list[int]
+    ) -> None:
+        """Check the chunk reads only KV of its own salt and prefix, then 'write' its own.
+        Launch order is device order: a step's writes land before any later step reads."""
         assert len(block_ids) * BLOCK_SIZE >= start + num_new
-        salt, tokens = request.cache_salt, request.all_token_ids
+        salt = request.cache_salt
         for pos in range(start):
             held = self.slots.get((block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE))
             assert held == (salt, tuple(tokens[: pos + 1])), f"{request.request_id} reads {pos}"
@@ -420,7 +451,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(2000):
             if not self.sched.has_unfinished_requests():
                 break
-            self.step(_FixedTokens())
+            if len(self.in_flight) <= 1:
+                self.launch(_FixedTokens())
+            self.land()
+        while self.in_flight:
+            self.land()
         assert not self.sched.has_unfinished_requests(), "requests never finished"
         assert self.reported == self.added
         self.sched.check_integrity()
