@@ -79,12 +79,18 @@ def _attend_tile(
     acc,  # [BLOCK_G, D] float32, unnormalised
     start,
     key_hi,
+    context_len,
+    new_row0,
     table_row,
     k_cache_ptr,
     v_cache_ptr,
+    k_new_ptr,
+    v_new_ptr,
     head_offset,
     stride_cache_block,
     stride_cache_slot,
+    stride_kt,
+    stride_vt,
     qk_scale,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -92,14 +98,24 @@ def _attend_tile(
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start + BLOCK_N (those below key_hi)."""
+    """One online-softmax step over keys start .. start + BLOCK_N (those below key_hi).
+
+    Keys before `context_len` come from the cache (earlier steps wrote them); the sequence's
+    keys of this step come from the k/v inputs, row new_row0 + (pos - context_len), because
+    the programs that write them to the cache run in this same launch."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < key_hi
-    block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    cached = valid & (pos < context_len)
+    new = valid & (pos >= context_len)
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
     row = block * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
-    kv_offsets = row[:, None] + head_offset + tl.arange(0, HEAD_DIM)[None, :]  # [BLOCK_N, D]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+    kv_offsets = row[:, None] + head_offset + offs_d  # [BLOCK_N, D]
+    new_rows = (new_row0 + pos - context_len).to(tl.int64)
+    k = tl.load(k_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+    k += tl.load(k_new_ptr + new_rows[:, None] * stride_kt + offs_d, mask=new[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+    v += tl.load(v_new_ptr + new_rows[:, None] * stride_vt + offs_d, mask=new[:, None], other=0.0)
     if COMPUTE_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -118,6 +134,9 @@ def _attend_tile(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
+    k_new_ptr,  # [T, Hkv, D] this step's keys (written to the cache here)
+    v_new_ptr,
+    slot_mapping_ptr,  # [T] int64 cache slot of each token
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
     out_ptr,  # [T, Hq, D] (normal) or unused (split)
@@ -134,6 +153,10 @@ def _paged_attention_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -182,6 +205,28 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
     head_mask = offs_g < GROUP
+    k_new_ptr += kv_head * stride_kh
+    v_new_ptr += kv_head * stride_vh
+    head_offset = kv_head * stride_cache_head
+
+    # The KV-cache write, fused: each token's (first-split) program stores its own K and V.
+    # No program of this launch reads them back from the cache (see _attend_tile). Padding
+    # tokens' slot is 0, the runtime's scratch block.
+    write = True
+    if NUM_SPLITS > 1:
+        write = tl.program_id(2) == 0
+    if write:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        dst = (
+            (slot // KV_BLOCK_SIZE) * stride_cache_block
+            + (slot % KV_BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+            + offs_d
+        )
+        k_row = tl.load(k_new_ptr + token.to(tl.int64) * stride_kt + offs_d)
+        v_row = tl.load(v_new_ptr + token.to(tl.int64) * stride_vt + offs_d)
+        tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty))
 
     q = tl.load(
         q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -196,15 +241,16 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_offset = kv_head * stride_cache_head
+    context_len = seq_len - (q_end - q_start)  # keys already in the cache before this step
     if COMPUTE_F32:
         # Interpreter: a `range` over loaded scalars calls int() on a one-element array, which
         # NumPy >= 2.5 refuses (triton 3.6 with numpy 2.5 fails so); a while loop avoids it.
         start = key_lo
         while start < key_hi:
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, key_hi, table_row, k_cache_ptr, v_cache_ptr,
-                head_offset, stride_cache_block, stride_cache_slot, qk_scale,
+                q, m_i, l_i, acc, start, key_hi, context_len, q_start, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
+                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
                 KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
             )  # fmt: skip
             start += BLOCK_N
@@ -212,8 +258,9 @@ def _paged_attention_kernel(
         # GPU: a for loop, which Triton software-pipelines over num_stages (a while loop not).
         for start in range(key_lo, key_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, key_hi, table_row, k_cache_ptr, v_cache_ptr,
-                head_offset, stride_cache_block, stride_cache_slot, qk_scale,
+                q, m_i, l_i, acc, start, key_hi, context_len, q_start, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
+                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
                 KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
             )  # fmt: skip
 
@@ -365,15 +412,14 @@ def paged_attention_triton(
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
 
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    # The kernel writes k/v into the cache itself (one launch, no index_copy kernels).
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # what the cache holds is what is read
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if slot_mapping.dtype != torch.int64:
+        slot_mapping = slot_mapping.long()
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_tokens, num_kv_heads, max_context, q.device)
@@ -404,6 +450,9 @@ def paged_attention_triton(
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q,
+            k,
+            v,
+            slot_mapping,
             k_cache,
             v_cache,
             out,
@@ -420,6 +469,10 @@ def paged_attention_triton(
             q.stride(1),
             out.stride(0),
             out.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
             k_cache.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
