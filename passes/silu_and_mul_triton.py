@@ -5,8 +5,12 @@ down_proj) that no earlier pass claimed: silu_and_mul_helion is registered first
 selected the Helion kernel wins. Emits: `ce_kernels.silu_and_mul`, an opaque custom op with the
 same schema, launch configs per shape class from configs/silu_and_mul.json. Applies on h100.
 
-Default: decided by `bench fusions` on the H200 against Inductor's own fusion of the reference
-and against the Helion kernel; see docs/compiler.md for the numbers.
+Off by default: it does not beat Inductor's own fusion of the reference at every token count.
+`bench fusions` on the H200, I = 14336 in bf16, CUDA-graph replay: 1.20 / 1.92 / 3.65 / 43.44
+us against Inductor's 1.18 / 2.40 / 6.19 / 56.25 us at T = 1 / 64 / 256 / 2048: a tie at the
+launch floor for one token, x1.25 / x1.70 / x1.29 above it. Issue 5's rule keeps it off until
+an end-to-end latency run shows the prefill and large-batch gain; select it with
+`--passes +silu_and_mul_triton` (docs/compiler.md).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from passes.registry import register
 @register
 class SiluAndMulTriton(GraphPass):
     name = "silu_and_mul_triton"
-    description = "silu_and_mul -> plain Triton kernel"
+    description = "silu_and_mul -> plain Triton kernel (off: ties Inductor at T=1)"
     targets = ("h100",)
     default_on = False
     kernel_files = (

@@ -53,7 +53,7 @@ def test_does_not_apply_on_cpu(traced):
 
 
 def test_off_by_default_and_selectable():
-    # Off: it does not beat Inductor's fusion of the reference on the H200 (docs/compiler.md).
+    # Off: it ties Inductor's fusion of the reference on the H200 (docs/compiler.md).
     assert "rms_norm_triton" not in [p.name for p in select(None)]
     chosen = [p.name for p in select("+rms_norm_triton")]
     assert chosen.index("rms_norm_triton") < chosen.index("lower_to_reference")
