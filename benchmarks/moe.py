@@ -76,7 +76,7 @@ def bench_kernel(shapes: list[tuple[int, int, int, int]], token_counts: list[int
         for num_tokens in token_counts:
             inputs = mk.make_inputs(num_tokens, num_experts, hidden, inter, top_k,
                                     dtype=torch.bfloat16, device="cuda")  # fmt: skip
-            check = mk.check(inputs, rtol=1e-2)
+            check = mk.check(inputs, rtol=3e-2)  # ~2 bf16 ulps of the largest output
             fused = mk.bench(mk.fused_experts, inputs, cuda_graph=True)
             loop = mk.bench(mk.per_expert_loop, inputs, iters=10)
             busy = int(torch.unique(inputs[4]).numel())
@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         payload["decode"] = decode
         for b in batch_sizes:
             payload[f"moe_decode_bs{b}_tok_s"] = decode["batches"][str(b)]["decode_tok_s"]
-    path = write_result("moe", payload, directory=Path(args.results_dir))
+    # One file per part run alone (same commit and device would overwrite); kind stays "moe".
+    name = "moe" if args.part == "all" else f"moe-{args.part}"
+    path = write_result(name, payload, directory=Path(args.results_dir))
     print("\n".join(render_details(payload)))
     print(f"wrote {path}")
     return 0

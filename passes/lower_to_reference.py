@@ -1,10 +1,9 @@
 """Lower every `ce` op that no other pass claimed to its plain-PyTorch reference.
 
-Matches: rms_norm, add_rms_norm, rotary, silu_and_mul, moe_route, moe_combine (never
-paged_attention, which is the split point of the piecewise graph). Emits: a call of the
-reference function, which AOTAutograd traces into aten ops that Inductor fuses with their
-neighbours (the norm's multiply into the residual add, the rotary into the QKV split, silu and
-mul into one loop, the router's softmax and renormalisation around its top-k). Without this pass
+Matches: rms_norm, add_rms_norm, rotary, silu_and_mul (never paged_attention, which is the
+split point of the piecewise graph). Emits: a call of the reference function, which AOTAutograd
+traces into aten ops that Inductor fuses with their neighbours (the norm's multiply into the
+residual add, the rotary into the QKV split, silu and mul into one loop). Without this pass
 Inductor would call each op as an opaque Python kernel. It runs last, after kernel passes.
 """
 
@@ -16,10 +15,7 @@ from models import ops
 from passes.base import GraphPass, PassContext, op_nodes
 from passes.registry import register
 
-# MoE: the router's softmax/top-k/renormalise and the weighted combine are sync-free and
-# traceable; align and the grouped GEMMs are not lowered (the GEMM reference loops on the host)
-# and stay opaque unless passes/moe_grouped_gemm.py replaces them.
-LOWERED = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "moe_route", "moe_combine")
+LOWERED = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 
 @register

@@ -149,8 +149,9 @@ def test_gpu_bf16_matches_reference(shape, num_tokens):
     num_experts, hidden, inter, top_k = shape
     inputs = mk.make_inputs(num_tokens, num_experts, hidden, inter, top_k,
                             dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    # bf16 rounding of h and of the output: relative to the output's scale (I up to 3584).
-    result = mk.check(inputs, rtol=1e-2)
+    # The reference rounds h and silu(gate) * up to bf16 where the kernel keeps float32: up to
+    # ~2 bf16 ulps of the output's largest value (measured 1.3% at T 2048 on the H200).
+    result = mk.check(inputs, rtol=3e-2)
     assert result["cosine"] >= 0.9999, result
 
 
