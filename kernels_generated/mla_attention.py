@@ -51,9 +51,11 @@ _MAX_SPLITS = 64
 _CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed value keeps the choice deterministic
 _REDUCE_BLOCK_R = 128  # latent columns per reduce program
 
-# One config per device type. CUDA: see docs/mla.md for how it was chosen on the H200.
+# One config per device type. CUDA: the best of BLOCK_N {16, 32, 64} x warps {4, 8} x stages
+# {2, 3} at every one of DeepSeek-V2-Lite's decode shapes (batch 1/64, context 512/4k) on the
+# H200 (`python -m benchmarks.mla --sweep`; docs/mla.md).
 _CONFIGS = {
-    "cuda": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+    "cuda": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 8, "num_stages": 2},
     "cpu": {"BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 1, "num_stages": 1},
 }
 
