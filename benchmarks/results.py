@@ -41,7 +41,11 @@ COMMIT_ENV = "COMPILE_ENGINE_COMMIT"
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
-    """(commit, dirty); ('unknown', None) outside a git checkout unless COMMIT_ENV names it."""
+    """(commit, dirty); COMMIT_ENV wins when set (the GPU machine's copy of the tree carries
+    stale git metadata), else git, else ('unknown', None)."""
+    env = os.environ.get(COMMIT_ENV)
+    if env:
+        return env, None
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
@@ -55,8 +59,7 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
         ).stdout
         return commit, bool(status.strip())
     except (OSError, subprocess.CalledProcessError):
-        env = os.environ.get(COMMIT_ENV)
-        return (env, None) if env else ("unknown", None)
+        return "unknown", None
 
 
 def cpu_model() -> str:

@@ -6,6 +6,7 @@ completion for offline use and the server drives it from a background task.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -221,6 +222,12 @@ class LLMEngine:
                 )
                 self.runner.graphs.capture()
                 self.timings["cuda_graphs_s"] = self.runner.graphs.capture_seconds
+        # Start-up leaves millions of long-lived objects (modules, Dynamo and Inductor state);
+        # a full collection traverses them all and stalls a step by tens of milliseconds (a
+        # 0.34 s excess over 127 decode steps at batch 256 on the H200). Freezing moves them
+        # out of the collector's sight; garbage made while serving is still collected.
+        gc.collect()
+        gc.freeze()
         self.timings["ready_s"] = time.perf_counter() - t0
         eos = loaded.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
