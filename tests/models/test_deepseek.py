@@ -35,7 +35,7 @@ def _hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([tokens])).logits[0]
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_packed_chunked_prefill_and_decode_match_hf(tiny, block_size):
     name, hf_model, loaded, _ = tiny
     rng = random.Random(block_size)
@@ -149,11 +149,7 @@ SCENARIOS = {
     "chunked-budget-16": dict(max_num_batched_tokens=16),
     "preemption": dict(block_size=4, num_kv_blocks=22, max_num_batched_tokens=64),
 }
-# Every configuration under chunked prefill; preemption (recompute) once: the scheduler's
-# part is architecture-independent, what matters is that a recomputed latent cache is exact.
-CASES = [(name, "chunked-budget-16") for name in sorted(TINY_DEEPSEEK)] + [
-    ("deepseek-v2-qlora", "preemption")
-]
+CASES = [(name, scenario) for name in sorted(TINY_DEEPSEEK) for scenario in sorted(SCENARIOS)]
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +196,18 @@ def test_engine_prefix_cache_hits_keep_greedy_exact(tiny):
     assert llm.engine.stats().prefix_cache_hits - before >= 12 * (len(prompts) - 1)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiny", ["deepseek-v3"], indirect=True)
+def test_compiled_engine_greedy_equals_hf(tiny, hf_continuations):
+    """The compiled path on CPU (default passes, mla_absorb included, Inductor pieces)."""
+    name, hf_model, _, directory = tiny
+    llm = LLM(str(directory), dtype="float32", target="cpu", max_num_batched_tokens=16)
+    assert llm.engine.compiled.pass_manager.match_counts["mla_absorb"] == len(hf_model.model.layers)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=1)
+    want = hf_continuations(name, hf_model, prompts, 1)
+    outs = llm.generate(prompts, GREEDY)
+    for out, expected in zip(outs, want, strict=True):
+        assert out.outputs[0].token_ids == expected
+    assert llm.engine.compiled.recompilations == 0
