@@ -26,6 +26,10 @@ its own key; padding tokens write into block 0, the runtime's scratch.
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), where tiles are cast to float32 after loading (the interpreter
 computes bf16 wrongly). `check()` compares with the reference; `bench()` times it.
+
+Measured on the H200 (`python -m benchmarks.mla`, bf16, DeepSeek-V2-Lite heads, decode, CUDA
+graph replay): 0.020 ms at batch 1 (launch-bound), 0.174 ms at batch 64 with 4k contexts
+(1.75 TB/s, 41% of the copy rate), 13-312x the naive up-projected reference; docs/mla.md.
 """
 
 from __future__ import annotations
