@@ -16,6 +16,10 @@ Rows: x is [..., H]; a 2-D x gives rows of stride x.stride(0), a 3-D x (Qwen3's 
 [T, heads, D], a strided view of the QKV output) gives rows by (outer, inner) strides, so
 neither is copied. Outputs are `torch.empty_like(x)`, exactly what the op's fake promises.
 
+Measured on the H200 (`python -m benchmarks fusions`, add_rms_norm at hidden 4096, bf16,
+CUDA-graph replay): 1.71 / 1.87 / 2.60 / 17.94 us at T = 1 / 64 / 256 / 2048 (3.7 TB/s at
+2048), a tie with Inductor's fusion of the reference, which is also one row per program.
+
 Configs (num_warps) per target and shape class {H, T = rows bucketed to a power of two} live
 in configs/add_rms_norm.json, picked by nearest key (kernels_generated/configs.py); `tune()`
 measures them on the GPU. On CPU the kernel runs only under the Triton interpreter

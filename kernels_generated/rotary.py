@@ -16,8 +16,13 @@ bandwidth (q and k read once and written once); BLOCK_H and num_warps per target
 class {HEADS = Hq + Hkv, D, T bucketed} live in configs/rotary.json, nearest key.
 
 Rounding follows the reference (and HF): cos and sin are rounded to the activation dtype,
-each product is rounded to it, then their sum; so the kernel equals the reference exactly on
-any device where float32 products round the same way.
+each product is rounded to it, then their sum; launched without FMA contraction (see the
+launcher), the kernel equals the reference bit for bit: bf16 on the H200, float32 and float16
+under the CPU interpreter.
+
+Measured on the H200 (`python -m benchmarks fusions`, Llama-3-8B heads, bf16, CUDA-graph
+replay): 1.44 / 1.70 / 2.28 / 9.83 us at T = 1 / 64 / 256 / 2048 (4.4 TB/s at 2048), x1.8 to
+x3.0 over Inductor's fusion of the reference.
 
 On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: CPU tensors must be float32 or

@@ -11,6 +11,10 @@ reference (HF's `F.silu(gate) * up` in the activation dtype): silu as ATen compu
 `g / (1 + exp(-g))` in float32, rounded to the activation dtype, then the product in that
 dtype. exp's last float32 bit may differ from ATen's, moving a result by one ulp at most.
 
+Measured on the H200 (`python -m benchmarks fusions`, I = 14336, bf16, CUDA-graph replay):
+1.21 / 1.93 / 3.65 / 43.43 us at T = 1 / 64 / 256 / 2048; against Inductor's fusion of the
+reference a tie at one token and at 2048, ahead at 64 and 256.
+
 BLOCK and num_warps per target and shape class {I, T bucketed} live in configs/silu_and_mul.json
 (nearest key); `tune()` measures them. On CPU the kernel runs only under the Triton interpreter
 (`TRITON_INTERPRET=1`), in float32 or float16.

@@ -6,11 +6,11 @@ selected the Helion kernel wins. Emits: `ce_kernels.silu_and_mul`, an opaque cus
 same schema, launch configs per shape class from configs/silu_and_mul.json. Applies on h100.
 
 Off by default: it does not beat Inductor's own fusion of the reference at every token count.
-`bench fusions` on the H200, I = 14336 in bf16, CUDA-graph replay: 1.20 / 1.92 / 3.65 / 43.44
-us against Inductor's 1.18 / 2.40 / 6.19 / 56.25 us at T = 1 / 64 / 256 / 2048: a tie at the
-launch floor for one token, x1.25 / x1.70 / x1.29 above it. Issue 5's rule keeps it off until
-an end-to-end latency run shows the prefill and large-batch gain; select it with
-`--passes +silu_and_mul_triton` (docs/compiler.md).
+`bench fusions` on the H200, I = 14336 in bf16, CUDA-graph replay, two runs: x1.02 / x1.11 /
+x1.23 / x0.97 and x0.98 / x1.25 / x1.70 / x1.29 over Inductor at T = 1 / 64 / 256 / 2048
+(1.21 against 1.24 us at one token, the launch floor; 43.4 us at 2048 tokens against
+Inductor's 42.1 and 56.3 us in the two runs). Select it with `--passes +silu_and_mul_triton`
+(docs/compiler.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from passes.registry import register
 @register
 class SiluAndMulTriton(GraphPass):
     name = "silu_and_mul_triton"
-    description = "silu_and_mul -> plain Triton kernel (off: ties Inductor at T=1)"
+    description = "silu_and_mul -> plain Triton kernel (off: ties Inductor)"
     targets = ("h100",)
     default_on = False
     kernel_files = (
