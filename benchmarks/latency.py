@@ -16,6 +16,7 @@ H200's measured 4.26e12 B/s on CUDA (BRIEF.md) and is measured here on a CPU.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -66,9 +67,11 @@ def weight_bytes_per_step(llm) -> int:
 
 
 def kv_bytes_per_token(llm) -> int:
-    mc = llm.engine.model_config
-    element = torch.empty((), dtype=llm.engine.loaded.dtype).element_size()
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * element
+    """From the model's own cache layout (K and V per head, or an MLA latent)."""
+    loaded = llm.engine.loaded
+    element = torch.empty((), dtype=loaded.dtype).element_size()
+    per_layer = math.prod(loaded.model.kv_cache_shape(1, 1))
+    return loaded.config.num_layers * per_layer * element
 
 
 def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dict:

@@ -12,6 +12,7 @@ share that model's column.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
@@ -112,9 +113,17 @@ def artifact_aliases(results: list[dict]) -> dict[tuple[str, str, str], str]:
 def _group_key(r: dict, aliases: dict | None = None) -> tuple[str, str, str, str]:
     """(device, commit, model, variant): numbers of different models never share a column."""
     dev, commit = _device(r), _commit(r)
-    model = Path(str(r["model"])).name if "model" in r else "no model (op benchmark)"
+    model = _model_name(r) if "model" in r else "no model (op benchmark)"
     model = (aliases or {}).get((dev, commit, model), model)
     return dev, commit, model, _variant(r)
+
+
+def _model_name(r: dict) -> str:
+    """A path's last part; a model section (a dict, as in `bench mla`) names its preset."""
+    model = r["model"]
+    if isinstance(model, dict):
+        return str(model.get("preset") or model.get("name") or "model")
+    return Path(str(model)).name
 
 
 def _title(key: tuple[str, str, str, str]) -> str:
@@ -211,7 +220,9 @@ def _model_line(r: dict) -> str:
     m = r.get("model_config", {})
     e = r.get("engine", {})
     if not m:
-        what = f"Model `{r['model']}`, target {r.get('target', '?')}. " if "model" in r else ""
+        what = ""
+        if "model" in r and not isinstance(r["model"], dict):
+            what = f"Model `{r['model']}`, target {r.get('target', '?')}. "
         return f"{what}Versions: {_versions(r)}." if r.get("versions") else what
     return (
         f"Model `{r.get('model', '?')}`: {m.get('architecture')}, {m.get('num_layers')} layers, "
@@ -332,6 +343,10 @@ def _details(r: dict) -> list[str]:
         lines += _breakdown(r)
     elif kind == "serve":
         lines += _serve(r)
+    elif kind in ("moe", "mla"):
+        # Their modules import torch; only a result of that kind pays for it.
+        module = importlib.import_module(f"benchmarks.{kind}")
+        lines += module.render_details(r)
     else:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []

@@ -43,8 +43,8 @@ def load_all() -> None:
     """Import every pass module so that its @register runs (explicit, not at import of passes)."""
     import passes.lower_to_reference  # noqa: F401
     import passes.mla_absorb  # noqa: F401
-    import passes.paged_attention  # noqa: F401
     import passes.moe_grouped_gemm  # noqa: F401  (before the silu_and_mul passes)
+    import passes.paged_attention  # noqa: F401
     import passes.rms_norm_triton  # noqa: F401
     import passes.rotary_triton  # noqa: F401
     import passes.silu_and_mul_helion  # noqa: F401

@@ -253,7 +253,9 @@ class LLMEngine:
         if not self.config.cuda_graphs:
             return False
         applied = self.compiled.pass_manager.match_counts
-        return applied.get("paged_attention_triton", 0) > 0
+        # On a CUDA target both attention passes lower to sync-free Triton kernels (`bench
+        # mla` captured DeepSeek-V2-Lite-shaped graphs with the MLA kernel on the H200).
+        return any(applied.get(name, 0) > 0 for name in ("paged_attention_triton", "mla_absorb"))
 
     @staticmethod
     def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:

@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from models import mla, ops
+from models import mla, moe, ops
 from models.rope import cos_sin_table
 
 
@@ -355,6 +355,30 @@ def _compile_case(name: str):
             lambda *a: mla.mla_latent_attention_ref(*a, 8, scale),
             args,
         )
+    if name == "moe_route":  # DeepSeek-V3 style: sigmoid scores, a selection bias, groups
+        bias = _randn(8, seed=31)
+        return (
+            lambda x: moe.moe_route(x, bias, 2, "sigmoid", "noaux_tc", 4, 2, True, 2.5),
+            lambda x: moe.moe_route_ref(x, bias, 2, "sigmoid", "noaux_tc", 4, 2, True, 2.5),
+            (_randn(5, 8, seed=32),),
+        )
+    ids = torch.tensor([[0, 2], [2, 3], [1, 0], [3, 3]], dtype=torch.int32)  # [T 4, K 2], E 4
+    if name == "moe_align":
+        return (
+            lambda t: moe.moe_align(t, 4, 2),
+            lambda t: moe.moe_align_ref(t, 4, 2),
+            (ids,),
+        )
+    if name == "moe_grouped_gemm":
+        sorted_ids, block_expert = moe.moe_align_ref(ids, 4, 2)
+        args = (_randn(4, 6, seed=33), _randn(4, 5, 6, seed=34), sorted_ids, block_expert)
+        return (
+            lambda *a: moe.moe_grouped_gemm(*a, 2),
+            lambda *a: moe.moe_grouped_gemm_ref(*a, 2),
+            args,
+        )
+    if name == "moe_combine":
+        return moe.moe_combine, moe.moe_combine_ref, (_randn(8, 6, seed=35), _randn(4, 2))
     raise AssertionError(f"no compile case for op {name}")
 
 
