@@ -19,6 +19,7 @@ COMMANDS = {
     "startup": ("benchmarks.startup", "cold build vs a fresh process ready from the artifact"),
     "moe": ("benchmarks.moe", "fused MoE kernel vs a per-expert loop; MoE model decode"),
     "mla": ("benchmarks.mla", "MLA absorbed kernel vs naive reference; KV bytes; DeepSeek decode"),
+    "paged-attention": ("benchmarks.paged_attention", "the Triton kernel vs gather+SDPA, GB/s"),
     "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
     "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
 }

@@ -20,9 +20,12 @@ packed batch that mixes prefill chunks and decode tokens:
   unnormalised acc) to a float32 workspace; a reduce kernel combines the S partials. Chosen from
   shapes only: when T * Hkv programs would leave SMs idle.
 
-The KV write is `index_copy_` through `slot_mapping` before the attention launch, so a token
-sees its own key; writing in the attention kernel would race with the programs of the same
-prefill chunk that read those keys. Padding tokens write into block 0, the runtime's scratch.
+The KV write is fused: each token's program (the first split's) stores its own K and V at
+its `slot_mapping` slot, and keys of the current step are read from the k/v inputs rather than
+the cache (row `query_start + pos - context_len`), so no program reads what another program of
+the same launch writes. Keys before `context_len` were written by earlier launches. Padding
+tokens write into block 0, the runtime's scratch. (It replaced two `index_copy_` kernels per
+layer: 140 / 184 / 280 us a step at batch 1 / 64 / 256 on the H200.)
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: there tiles are cast to float32 right

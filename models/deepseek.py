@@ -324,3 +324,14 @@ class DeepseekV2ForCausalLM(nn.Module):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     version = 3
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """DeepSeek-V3 checkpoints carry the multi-token-prediction module as extra decoder
+        layers (model.layers.61.* after 61 layers); like transformers, we do not run it."""
+        parts = name.split(".")
+        return (
+            len(parts) > 2
+            and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit()
+            and int(parts[2]) >= self.config.num_layers
+        )

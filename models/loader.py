@@ -157,9 +157,12 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[tuple[str, str | None]] = set()
+    skip = getattr(model, "skip_checkpoint_tensor", None)
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
+        if skip is not None and skip(name):
+            continue  # a part of the checkpoint the model declares it does not run
         parts = _rename(name.split("."), renames)
         stacked = _stacked_target(parts, proj_to_stacked, params)
         if stacked is not None:
@@ -175,9 +178,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         owners[target].load_shard(params[target], tensor, shard, name)
         loaded.add((target, shard))
     whole = {target for target, shard in loaded if shard is None}
-    missing = [
-        ckpt for key, ckpt in expected.items() if key not in loaded and key[0] not in whole
-    ]
+    missing = [ckpt for key, ckpt in expected.items() if key not in loaded and key[0] not in whole]
     if missing:
         shown = ", ".join(missing[:4]) + (
             f" and {len(missing) - 4} more" if len(missing) > 4 else ""

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: latency, throughput, startup, kv-waste, make-model, render",
+        help="benchmarks (`bench --help` lists them): latency, throughput, serve, breakdown, "
+        "startup, kv-waste, fusions, moe, mla, paged-attention, make-model, render",
         add_help=False,
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

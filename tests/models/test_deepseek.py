@@ -211,3 +211,26 @@ def test_compiled_engine_greedy_equals_hf(tiny, hf_continuations):
     for out, expected in zip(outs, want, strict=True):
         assert out.outputs[0].token_ids == expected
     assert llm.engine.compiled.recompilations == 0
+
+
+def test_v3_skips_the_multi_token_prediction_layer_and_v2_refuses_it(tmp_path):
+    """Real V3 checkpoints hold the MTP module as layer N (after N decoder layers); it loads
+    and is ignored, as in transformers. The same extra tensor in a V2 checkpoint is an error."""
+    from safetensors.torch import load_file, save_file
+
+    from models.errors import CheckpointError
+
+    for name in ("deepseek-v3", "deepseek-v2"):
+        directory = tmp_path / name
+        hf_model = make_tiny_deepseek(name, directory)
+        path = directory / "model.safetensors"
+        tensors = load_file(path)
+        extra = f"model.layers.{hf_model.config.num_hidden_layers}.eh_proj.weight"
+        tensors[extra] = torch.zeros(4, 4)
+        save_file(tensors, path, metadata={"format": "pt"})
+        if name == "deepseek-v3":
+            loaded = load_model(directory, dtype="float32")
+            assert len(loaded.model.model.layers) == hf_model.config.num_hidden_layers
+        else:
+            with pytest.raises(CheckpointError, match="unexpected tensor"):
+                load_model(directory, dtype="float32")
