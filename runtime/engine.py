@@ -20,6 +20,7 @@ from compiler.config import CompileConfig
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig
 from models.loader import LoadedModel, load_model
+from models.moe import SparseMoE
 from models.tokenizer import SAVED_DIR, load_tokenizer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import (
@@ -253,6 +254,11 @@ class LLMEngine:
         if not self.config.cuda_graphs:
             return False
         applied = self.compiled.pass_manager.match_counts
+        # The MoE grouped GEMM's reference loops over the experts present (a host sync): only
+        # its fused lowering can be captured.
+        has_moe = any(isinstance(m, SparseMoE) for m in self.loaded.model.modules())
+        if has_moe and not applied.get("moe_grouped_gemm", 0):
+            return False
         # On a CUDA target both attention passes lower to sync-free Triton kernels (`bench
         # mla` captured DeepSeek-V2-Lite-shaped graphs with the MLA kernel on the H200).
         return any(applied.get(name, 0) > 0 for name in ("paged_attention_triton", "mla_absorb"))
