@@ -11,16 +11,28 @@ and prefill is reported on its own. Decode at these sizes is bound by memory ban
 step reads every weight once (the embedding table aside, which only gathers B rows) plus each
 request's KV so far. The roofline is B tokens per (those bytes / copy rate); the copy rate is the
 H200's measured 4.26e12 B/s on CUDA (BRIEF.md) and is measured here on a CPU.
+
+With --hf-reference, the same model directory then runs under HF transformers (no
+torch.compile, eager attention unless --hf-attn sdpa) in the same process on the same device,
+our engine freed first, on the same prompts: issue 7's same-run reference. HF's generate()
+cannot be stepped, so its decode rate comes from two calls on the same prompts,
+
+    HF decode tok/s = B * (output_len - 1) / (t_generate(output_len) - t_generate(1))
+
+which cancels prefill, the first token and generate()'s fixed setup cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +46,9 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.results import write_result
+
+if TYPE_CHECKING:
+    from models.loader import ModelSource
 
 H200_COPY_RATE = 4.26e12  # B/s, copy read+write, measured on the H200 on 2026-11-29
 
@@ -131,6 +146,18 @@ def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dic
     }
 
 
+def latency_prompts(
+    batch_sizes: list[int], input_len: int, vocab_size: int, *, num_runs: int, seed: int
+) -> dict[int, list[list[list[int]]]]:
+    """Every run's prompts per batch size, warmups first, drawn from one generator in the order
+    the runs use them: the HF reference replays exactly the prompts our engine saw."""
+    rng = random.Random(seed)
+    return {
+        b: [random_prompts(b, input_len, vocab_size, rng) for _ in range(num_runs)]
+        for b in batch_sizes
+    }
+
+
 def bench_latency(
     llm,
     *,
@@ -154,8 +181,10 @@ def bench_latency(
     else:
         source = "given"
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    rng = random.Random(seed)
     vocab = llm.engine.model_config.vocab_size
+    prompts = latency_prompts(
+        batch_sizes, input_len, vocab, num_runs=num_warmup + num_iters, seed=seed
+    )
     weights = weight_bytes_per_step(llm)
     kv_token = kv_bytes_per_token(llm)
     # Keys a decode step reads, averaged over decode steps j = 1..output_len-1 (input_len + j).
@@ -173,12 +202,9 @@ def bench_latency(
         "batches": {},
     }
     for b in batch_sizes:
-        for _ in range(num_warmup):
-            run_once(llm, random_prompts(b, input_len, vocab, rng), params, device)
-        runs = [
-            run_once(llm, random_prompts(b, input_len, vocab, rng), params, device)
-            for _ in range(num_iters)
-        ]
+        for warmup in prompts[b][:num_warmup]:
+            run_once(llm, warmup, params, device)
+        runs = [run_once(llm, measured, params, device) for measured in prompts[b][num_warmup:]]
         tok_s = statistics.median(r["decode_tok_s"] for r in runs)
         step_bytes = weights + b * mean_context * kv_token
         roofline = b * copy_rate / step_bytes
@@ -195,6 +221,128 @@ def bench_latency(
     return payload
 
 
+class HFReferenceError(RuntimeError):
+    """--hf-reference cannot run: HF transformers cannot load the model, or decoded other than
+    the tokens asked for."""
+
+
+def hf_reference_path(source: ModelSource) -> Path:
+    """The directory our engine read its weights from (an artifact resolves to its source or
+    to the HF export of a GGUF it keeps), if transformers can load it."""
+    path = source.path
+    loadable = (
+        source.kind == "hf" and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    )
+    if not loadable:
+        raise HFReferenceError(
+            f"--hf-reference loads the model with HF transformers, but our engine read it from "
+            f"{source.kind} {path}, which is not an HF directory with config.json and "
+            "*.safetensors. Pass such a directory (e.g. one `bench make-model` wrote, or a "
+            "save_pretrained checkpoint), or an artifact built from one or from a GGUF file; "
+            "a GGUF file or alias cannot be the HF reference. Or run without --hf-reference."
+        )
+    return path
+
+
+def load_hf_reference(
+    path: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str = "eager"
+):
+    """transformers' own model for `path`, in our engine's dtype, on our engine's device."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        # A one-device device_map places weights as they load (no host copy of an 8B model)
+        # and needs no accelerate.
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, device_map=device
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise HFReferenceError(
+            f"HF transformers could not load {path} for --hf-reference ({e}); it needs an HF "
+            "directory with config.json and *.safetensors of an architecture transformers "
+            "knows. Run without --hf-reference, or pass such a directory."
+        ) from e
+    return model.eval()
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    """Greedy decode of exactly `new_tokens` per prompt (equal-length prompts, no padding);
+    returns the new tokens, [B, new_tokens]. min_new_tokens keeps eos from ending a row by
+    masking it, where our ignore_eos may emit it and go on: the same work, not always the same
+    tokens."""
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=model.device)  # [B, input_len]
+    pad = model.generation_config.pad_token_id
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        # Never used (no row stops early); set so that generate() does not warn.
+        pad_token_id=0 if pad is None else pad,
+    )
+    new = out[:, input_ids.shape[1] :]  # [B, new_tokens]
+    if new.shape != (len(prompts), new_tokens):
+        # A rate over tokens that were not produced would flatter the reference.
+        raise HFReferenceError(
+            f"HF generate returned {tuple(new.shape)} new tokens, expected "
+            f"({len(prompts)}, {new_tokens}); its generation config stops early"
+        )
+    return new
+
+
+def bench_hf_reference(
+    model,
+    prompts: dict[int, list[list[list[int]]]],
+    *,
+    output_len: int,
+    num_iters: int,
+    device: torch.device,
+) -> dict[int, dict]:
+    """Per batch size: one warmup generate, then for each of the last `num_iters` prompt sets
+    (the ones our measured runs used) t_generate(1) and t_generate(output_len), the device
+    drained around each. Decode tok/s from the medians of the two times."""
+    results: dict[int, dict] = {}
+    with torch.inference_mode():
+        for b, sets in prompts.items():
+            hf_generate(model, sets[0], output_len)
+            t_one: list[float] = []
+            t_all: list[float] = []
+            for measured in sets[-num_iters:]:
+                with timed(device) as t:
+                    hf_generate(model, measured, 1)
+                t_one.append(t[0])
+                with timed(device) as t:
+                    hf_generate(model, measured, output_len)
+                t_all.append(t[0])
+            decode_s = statistics.median(t_all) - statistics.median(t_one)
+            results[b] = {
+                # <= 0 only when noise swamps decode (a tiny model): report no rate, not a wild one.
+                "decode_tok_s": b * (output_len - 1) / decode_s if decode_s > 0 else 0.0,
+                "t_generate_1_s": statistics.median(t_one),
+                "t_generate_n_s": statistics.median(t_all),
+                "runs": [
+                    {"t_generate_1_s": a, "t_generate_n_s": n}
+                    for a, n in zip(t_one, t_all, strict=True)
+                ],
+            }
+    return results
+
+
+def free_engine(llm, device: torch.device) -> int | None:
+    """Drop our engine's weights, KV pool, CUDA graphs and compiled code so that HF gets the
+    memory (nothing else may hold `llm.engine`). Returns the CUDA bytes still allocated, which
+    the JSON records: well above zero means something kept the engine alive."""
+    llm.engine = None
+    # Dynamo's cache keeps the compiled graphs, and through them our weights, alive.
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated(device)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench latency", description=__doc__.splitlines()[0])
     add_engine_flags(p, max_num_seqs=None)
@@ -207,6 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--copy-rate",
         default=None,
         help="bytes/s for the roofline, or 'measure'; default 4.26e12 on CUDA, measured on CPU",
+    )
+    p.add_argument(
+        "--hf-reference",
+        action="store_true",
+        help="then time HF transformers on the same model, device, dtype and prompts",
+    )
+    p.add_argument(
+        "--hf-attn",
+        default="eager",
+        choices=["eager", "sdpa"],
+        help="attn_implementation of the HF reference",
     )
     p.add_argument("--name", default="latency", help="result file name prefix")
     return p
@@ -222,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     init_s = time.perf_counter() - t0
+    # Checked now so that a model HF cannot load fails before the engine's runs, not after.
+    hf_path = hf_reference_path(llm.engine.loaded.source) if args.hf_reference else None
     copy_rate = None
     if args.copy_rate == "measure":
         copy_rate = measure_copy_rate(llm.engine.config.device)
@@ -241,10 +402,61 @@ def main(argv: list[str] | None = None) -> int:
         payload["copy_rate_source"] = "measured"
     payload.update(model=args.model, model_config=model_summary(llm), engine=engine_settings(llm))
     payload["llm_init_s"] = init_s
-    path = write_result(args.name, payload, args.results_dir, device=llm.engine.config.device.type)
+    device = llm.engine.config.device
+    if hf_path is not None:
+        dtype, vocab = llm.engine.loaded.dtype, llm.engine.model_config.vocab_size
+        left = free_engine(llm, device)
+        del llm
+        add_hf_reference(payload, hf_path, dtype, vocab, device, args, batch_sizes, left)
+    path = write_result(args.name, payload, args.results_dir, device=device.type)
     print_latency(payload)
     print(f"wrote {path}")
     return 0
+
+
+def add_hf_reference(
+    payload: dict,
+    path: Path,
+    dtype: torch.dtype,
+    vocab: int,
+    device: torch.device,
+    args: argparse.Namespace,
+    batch_sizes: list[int],
+    engine_bytes_left: int | None,
+) -> None:
+    """Time HF on the prompts our runs used (`vocab` is our engine's, so the same draws) and
+    add its numbers beside ours."""
+    t0 = time.perf_counter()
+    model = load_hf_reference(path, dtype, device, args.hf_attn)
+    load_s = time.perf_counter() - t0
+    prompts = latency_prompts(
+        batch_sizes,
+        args.input_len,
+        vocab,
+        num_runs=args.num_warmup + args.num_iters,
+        seed=args.seed,
+    )
+    results = bench_hf_reference(
+        model, prompts, output_len=args.output_len, num_iters=args.num_iters, device=device
+    )
+    payload["hf_reference"] = {
+        "model_path": str(path),
+        "attn_implementation": args.hf_attn,
+        "dtype": str(dtype).removeprefix("torch."),
+        "load_s": load_s,
+        "engine_bytes_left_after_free": engine_bytes_left,
+    }
+    for b, r in results.items():
+        batch = payload["batches"][str(b)]
+        batch["hf_decode_tok_s"] = r["decode_tok_s"]
+        batch["hf_t_generate_1_s"] = r["t_generate_1_s"]
+        batch["hf_t_generate_n_s"] = r["t_generate_n_s"]
+        batch["hf_runs"] = r["runs"]
+        payload[f"hf_eager_decode_bs{b}_tok_s"] = r["decode_tok_s"]
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_latency(payload: dict) -> None:
@@ -252,12 +464,19 @@ def print_latency(payload: dict) -> None:
         f"latency: input {payload['input_len']}, output {payload['output_len']}, "
         f"copy rate {payload['copy_rate_B_s'] / 1e9:,.0f} GB/s ({payload['copy_rate_source']})"
     )
-    print(f"  {'batch':>6} {'decode tok/s':>13} {'ms/step':>9} {'roofline':>9} {'prefill s':>10}")
+    hf = "hf_reference" in payload
+    head = f"  {'batch':>6} {'decode tok/s':>13} {'ms/step':>9} {'roofline':>9} {'prefill s':>10}"
+    print(head + (f" {'HF tok/s':>10} {'ours/HF':>8}" if hf else ""))
     for b, r in payload["batches"].items():
-        print(
+        line = (
             f"  {b:>6} {r['decode_tok_s']:>13,.1f} {r['ms_per_step']:>9.2f} "
             f"{r['roofline_pct']:>8.1f}% {r['prefill_s']:>10.3f}"
         )
+        if hf:
+            theirs = r["hf_decode_tok_s"]
+            ratio = f"{r['decode_tok_s'] / theirs:>7.2f}x" if theirs > 0 else f"{'-':>8}"
+            line += f" {theirs:>10,.1f} {ratio}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -271,9 +271,19 @@ def _details(r: dict) -> list[str]:
             f"{_bytes(r['weight_bytes_per_step'])} of weights + KV per step at "
             f"{_bytes(r['copy_rate_B_s'])}/s ({r['copy_rate_source']})."
         )
+        if hf := r.get("hf_reference"):
+            lines.append(
+                f"Same-run reference: HF transformers on {hf['model_path']}, "
+                f"{hf['attn_implementation']} attention, {hf['dtype']}, our engine freed first; "
+                "tok/s = B × (output_len − 1) / (t_generate(output_len) − t_generate(1))."
+            )
         lines.append("")
-        rows = [
-            [
+        header = ["batch", "decode tok/s", "ms/step", "roofline tok/s", "of roofline", "prefill s"]
+        if hf:
+            header += ["HF eager tok/s (same run)", "ours / HF"]
+        rows = []
+        for b, x in r["batches"].items():
+            row = [
                 b,
                 _fmt(x["decode_tok_s"]),
                 _fmt(x["ms_per_step"]),
@@ -281,12 +291,12 @@ def _details(r: dict) -> list[str]:
                 f"{x['roofline_pct']:.1f}%",
                 _fmt(x["prefill_s"]),
             ]
-            for b, x in r["batches"].items()
-        ]
-        lines += _table(
-            ["batch", "decode tok/s", "ms/step", "roofline tok/s", "of roofline", "prefill s"],
-            rows,
-        )
+            if hf:
+                theirs = x["hf_decode_tok_s"]
+                ratio = f"{x['decode_tok_s'] / theirs:.2f}x" if theirs > 0 else "—"
+                row += [_fmt(theirs), ratio]
+            rows.append(row)
+        lines += _table(header, rows)
     elif kind == "throughput":
         lines += _table(
             ["requests", "in / out", "elapsed s", "req/s", "output tok/s", "total tok/s"],
