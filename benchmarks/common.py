@@ -26,6 +26,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int | None = 2
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
@@ -52,6 +53,7 @@ def engine_settings(llm) -> dict:
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "enforce_eager": cfg.enforce_eager,
+        "async_scheduling": cfg.async_scheduling,
         "compiled": llm.engine.compiled is not None,
         "compile": llm.engine.compiled.backend.stats.as_dict() if llm.engine.compiled else None,
         "passes": llm.engine.compiled.pass_manager.describe() if llm.engine.compiled else None,

@@ -24,6 +24,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="step synchronously instead of preparing step N+1 while step N runs",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         passes=args.passes,
         cuda_graphs=not args.no_cuda_graphs,
+        async_scheduling=not getattr(args, "no_async_scheduling", False),
     )
 
 

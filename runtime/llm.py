@@ -28,6 +28,7 @@ class LLM:
         seed: int = 0,
         passes: str | None = None,
         cuda_graphs: bool = True,
+        async_scheduling: bool = True,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -43,6 +44,7 @@ class LLM:
             seed=seed,
             passes=passes,
             cuda_graphs=cuda_graphs,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)
 
