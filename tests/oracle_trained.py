@@ -119,6 +119,21 @@ def trained_sequences(tokenizer) -> list[list[int]]:
     return [list(chat), list(passage)]
 
 
+def repeated_sequences(tokenizer) -> list[list[int]]:
+    """The answer and the passage, each written twice. In the second copy the model can copy
+    from the first, so nearly every position is decided far beyond bf16 rounding: the text on
+    which issue 5's "top-1 >= 99% over 512 positions" is meaningful as literally stated
+    (measured on CPU: 0.9987 over the 785 second-copy positions, cosine 0.99933)."""
+    answer = tokenizer.encode(ANSWER, add_special_tokens=False)
+    passage = tokenizer.encode(PASSAGE, add_special_tokens=False)
+    return [answer + answer, passage + passage]
+
+
+def second_halves(logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The rows of each repeated sequence's second copy."""
+    return [x[x.shape[0] // 2 :] for x in logits]
+
+
 def engine_teacher_forced(
     llm, sequences: list[list[int]], prefill_chunk: int, decode_tail: int
 ) -> list[torch.Tensor]:
