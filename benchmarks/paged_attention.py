@@ -1,17 +1,24 @@
 """Decode paged attention on CUDA: the Triton kernel against the reference gather + SDPA.
 
     python -m benchmarks.paged_attention [--out DIR]
+    python -m benchmarks.paged_attention --prefill [--chunks 4 --chunk-len 512 --contexts 0 2048]
 
 Llama-3-8B attention shapes (Hq 32, Hkv 8, D 128, bf16, KV block 16), one new token per
 sequence, every sequence at the same context. Bandwidth counts the K/V bytes attention must
 read (plus q and out), against the H200's 4.26 TB/s; both sides also pay the KV write of the
 new tokens, which is negligible at these sizes. Combinations whose cache exceeds --max-kv-gb
 are skipped; a reference that runs out of memory is recorded as null.
+
+--prefill times prefill chunks instead (`paged_attention_prefill` JSON): `--chunks` sequences
+of `--chunk-len` new tokens after each context, the query-tiled variant (tiled=True) against
+the single-token kernel (tiled=False) and the reference, reported as causal attention
+TFLOP/s (4 * D flops per query head and visible key).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -85,6 +92,58 @@ def run(batches: list[int], contexts: list[int], iters: int, max_kv_gb: float) -
     return rows
 
 
+def _prefill_flops(chunks: int, chunk_len: int, context: int) -> float:
+    d = SHAPES
+    visible = chunk_len * context + chunk_len * (chunk_len + 1) // 2  # keys seen, per chunk
+    return 4.0 * d["head_dim"] * d["num_q_heads"] * chunks * visible
+
+
+def run_prefill(chunks: int, chunk_len: int, contexts: list[int], iters: int) -> list[dict]:
+    rows = []
+    for context in contexts:
+        batch = pa.make_batch(
+            [chunk_len] * chunks,
+            [context + chunk_len] * chunks,
+            dtype=torch.bfloat16,
+            device="cuda",
+            **SHAPES,
+        )
+        flops = _prefill_flops(chunks, chunk_len, context)
+        row: dict = {"chunks": chunks, "chunk_len": chunk_len, "context": context}
+        for name, tiled in (("tiled", True), ("untiled", False)):
+            fn = functools.partial(pa.paged_attention_triton, tiled=tiled)
+            m = _measure(batch, fn, iters, cuda_graph=True)
+            if m is not None:
+                m["tflops"] = flops / (m["ms"] / 1e3) / 1e12
+            row[name] = m
+        ref = _measure(batch, paged_attention_ref, max(3, iters // 4), inner=1)
+        if ref is not None:
+            ref["tflops"] = flops / (ref["ms"] / 1e3) / 1e12
+        row["reference"] = ref
+        if row["tiled"] and row["untiled"]:
+            row["tiled_speedup"] = row["untiled"]["ms"] / row["tiled"]["ms"]
+        rows.append(row)
+        del batch
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_prefill_rows(rows: list[dict]) -> None:
+    print(
+        f"{'chunks':>6} {'len':>5} {'ctx':>6} | {'tiled ms':>8} {'TF/s':>6} | "
+        f"{'untiled ms':>10} {'TF/s':>6} | {'ref ms':>8} {'TF/s':>6} | {'x':>5}"
+    )
+    for r in rows:
+        t, u, ref = r["tiled"], r["untiled"], r["reference"]
+        print(
+            f"{r['chunks']:>6} {r['chunk_len']:>5} {r['context']:>6} | "
+            f"{_fmt(t, 'ms', '8.3f')} {_fmt(t, 'tflops', '6.1f')} | "
+            f"{_fmt(u, 'ms', '10.3f')} {_fmt(u, 'tflops', '6.1f')} | "
+            f"{_fmt(ref, 'ms', '8.3f')} {_fmt(ref, 'tflops', '6.1f')} | "
+            f"{r.get('tiled_speedup', float('nan')):>5.2f}"
+        )
+
+
 def _fmt(m: dict | None, key: str, spec: str) -> str:
     return "-" if m is None else format(m[key], spec)
 
@@ -115,9 +174,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 32768])
     p.add_argument("--iters", type=int, default=20, help="timed calls; the median is kept")
     p.add_argument("--max-kv-gb", type=float, default=60.0)
+    p.add_argument("--prefill", action="store_true", help="time prefill chunks, tiled or not")
+    p.add_argument("--chunks", type=int, default=4, help="--prefill: sequences per batch")
+    p.add_argument("--chunk-len", type=int, default=512, help="--prefill: new tokens each")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.paged_attention needs a CUDA device")
+    if args.prefill:
+        contexts = [0, 2048] if args.contexts == p.get_default("contexts") else args.contexts
+        rows = run_prefill(args.chunks, args.chunk_len, contexts, args.iters)
+        print_prefill_rows(rows)
+        payload = {
+            "shapes": {**SHAPES, "dtype": "bfloat16"},
+            "flops_counted": "4 * head_dim per query head and causally visible key",
+            "timing": "CUDA-graph replay (reference: eager); median of iters samples",
+            "iters": args.iters,
+            "rows": rows,
+        }
+        path = write_result("paged_attention_prefill", payload, directory=args.out)
+        print(f"wrote {path}")
+        return
     rows = run(args.batches, args.contexts, args.iters, args.max_kv_gb)
     print_rows(rows)
     payload = {

@@ -27,6 +27,20 @@ the same launch writes. Keys before `context_len` were written by earlier launch
 tokens write into block 0, the runtime's scratch. (It replaced two `index_copy_` kernels per
 layer: 140 / 184 / 280 us a step at batch 1 / 64 / 256 on the H200.)
 
+Query-tiled prefill variant (`tiled=True`, or COMPILE_ENGINE_TILED_PREFILL=1 for the automatic
+choice; off by default and NOT yet measured on a GPU). The single-token kernel re-reads a
+prefill chunk's keys once per query token with 16-row dots; this one runs a program per (query
+tile, KV head), a tile being up to BLOCK_M consecutive tokens of one sequence, and puts the
+tile's BLOCK_M tokens x group heads (the group rounded up to a power of two) on the dot's rows,
+128 on CUDA. Sequence b's tiles are numbered from `query_start_loc[b] // BLOCK_M + b` and found
+by binary search, the padding past `query_start_loc[-1]` counting as one more sequence, so the
+grid `(T // BLOCK_M + B + 1, Hkv)` is an upper bound from shapes only (programs without a tile
+do nothing; CUDA-graph safe). Keys run up to the tile's last query position, masked causally
+per row; the KV write is fused with the same contract (each token's K/V written once, by its
+tile's program; this step's keys read from the k/v inputs). With the variable set,
+`choose_tiled` takes it for batches with at least two tokens per sequence slot, never split.
+`python -m benchmarks.paged_attention --prefill` times it against the single-token kernel.
+
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: there tiles are cast to float32 right
 after loading. `check()` compares with the reference; `bench()` reports achieved GB/s.
@@ -42,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -67,11 +82,66 @@ _CONFIGS = {
 }
 
 
+# The query-tiled prefill variant: ROWS dot rows a program (BLOCK_M query tokens x the group
+# rounded up to a power of two). CUDA: a guess after the usual flash-attention shapes for
+# head_dim 128 (128 x 64 tiles, 8 warps), not yet tuned or measured on the H200.
+_TILED_CONFIGS = {
+    "cuda": {"ROWS": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    "cpu": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
+}
+_TILED_ENV = "COMPILE_ENGINE_TILED_PREFILL"
+# With the variant switched on by the environment, it runs when the batch has at least this
+# many tokens per sequence slot (shapes only, so capture and replay agree): decode batches
+# keep the single-token kernel, whose one-token programs waste no dot rows.
+_TILED_MIN_TOKENS_PER_SEQ = 2
+
+
 class PagedAttentionKernelError(RuntimeError):
     """The Triton paged-attention kernel cannot run these inputs here."""
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_kv_tile(
+    pos,  # [BLOCK_N] key positions
+    valid,  # [BLOCK_N] positions below the program's key bound
+    context_len,
+    new_row0,
+    table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_kt,
+    stride_vt,
+    KV_BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+):
+    """K and V [BLOCK_N, D] at `pos` (zero where not valid). Keys before `context_len` come
+    from the cache (earlier steps wrote them); the sequence's keys of this step come from the
+    k/v inputs, row new_row0 + (pos - context_len), because the programs that write them to
+    the cache run in this same launch."""
+    cached = valid & (pos < context_len)
+    new = valid & (pos >= context_len)
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
+    row = block * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
+    kv_offsets = row[:, None] + head_offset + offs_d  # [BLOCK_N, D]
+    new_rows = (new_row0 + pos - context_len).to(tl.int64)
+    k = tl.load(k_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+    k += tl.load(k_new_ptr + new_rows[:, None] * stride_kt + offs_d, mask=new[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+    v += tl.load(v_new_ptr + new_rows[:, None] * stride_vt + offs_d, mask=new[:, None], other=0.0)
+    if COMPUTE_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit
@@ -101,27 +171,15 @@ def _attend_tile(
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start + BLOCK_N (those below key_hi).
-
-    Keys before `context_len` come from the cache (earlier steps wrote them); the sequence's
-    keys of this step come from the k/v inputs, row new_row0 + (pos - context_len), because
-    the programs that write them to the cache run in this same launch."""
+    """One online-softmax step over keys start .. start + BLOCK_N (those below key_hi); K/V
+    as `_load_kv_tile` reads them."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < key_hi
-    cached = valid & (pos < context_len)
-    new = valid & (pos >= context_len)
-    offs_d = tl.arange(0, HEAD_DIM)[None, :]
-    block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
-    row = block * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
-    kv_offsets = row[:, None] + head_offset + offs_d  # [BLOCK_N, D]
-    new_rows = (new_row0 + pos - context_len).to(tl.int64)
-    k = tl.load(k_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
-    k += tl.load(k_new_ptr + new_rows[:, None] * stride_kt + offs_d, mask=new[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
-    v += tl.load(v_new_ptr + new_rows[:, None] * stride_vt + offs_d, mask=new[:, None], other=0.0)
-    if COMPUTE_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _load_kv_tile(
+        pos, valid, context_len, new_row0, table_row, k_cache_ptr, v_cache_ptr, k_new_ptr,
+        v_new_ptr, head_offset, stride_cache_block, stride_cache_slot, stride_kt, stride_vt,
+        KV_BLOCK_SIZE, HEAD_DIM, COMPUTE_F32,
+    )  # fmt: skip
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N]
@@ -324,6 +382,196 @@ def _reduce_splits_kernel(
     )
 
 
+@triton.jit
+def _attend_tile_causal(
+    q,  # [ROWS, D]: BLOCK_M query tokens x GROUP_P2 heads, token-major
+    m_i,  # [ROWS]
+    l_i,  # [ROWS]
+    acc,  # [ROWS, D] float32, unnormalised
+    row_last,  # [ROWS] last key position each row sees (causal)
+    start,
+    key_hi,
+    context_len,
+    new_row0,
+    table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_kt,
+    stride_vt,
+    qk_scale,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_attend_tile` for a query tile: the same K/V step, masked per row by causality."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < key_hi
+    k, v = _load_kv_tile(
+        pos, valid, context_len, new_row0, table_row, k_cache_ptr, v_cache_ptr, k_new_ptr,
+        v_new_ptr, head_offset, stride_cache_block, stride_cache_slot, stride_kt, stride_vt,
+        KV_BLOCK_SIZE, HEAD_DIM, COMPUTE_F32,
+    )  # fmt: skip
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    visible = valid[None, :] & (pos[None, :] <= row_last[:, None])
+    scores = tl.where(visible, scores, float("-inf"))  # [ROWS, BLOCK_N]
+    # Every row sees key 0 in the first step (row_last >= 0), so m_i is finite from then on
+    # and a later step where a row sees nothing gives alpha 1, p 0.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_tiled_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_new_ptr,  # [T, Hkv, D] this step's keys (written to the cache here)
+    v_new_ptr,
+    slot_mapping_ptr,  # [T] int64
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,
+    out_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B]
+    query_start_loc_ptr,  # [B + 1]
+    num_tokens,
+    num_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_M: tl.constexpr,  # query tokens per tile; BLOCK_M * GROUP_P2 >= 16 dot rows
+    HEAD_DIM: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Tiles of sequence b are numbered from first[b] = query_start_loc[b] // BLOCK_M + b, an
+    # upper bound on the tiles before b that never lets a tile cross into the next sequence.
+    # "Sequence" num_seqs is the padding past query_start_loc[-1] (up to num_tokens): its
+    # tiles write the padding tokens' K/V to their scratch slots and a zero output. first[] is
+    # strictly increasing, so the owner is the last b <= num_seqs with first[b] <= tile_id.
+    lo = tile_id * 0
+    hi = lo + num_seqs + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_mid = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        take = first_mid <= tile_id
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    seq = lo
+    is_real = seq < num_seqs
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1, mask=is_real, other=num_tokens)
+    seq_len = tl.load(seq_lens_ptr + seq, mask=is_real, other=0)
+    tile_start = q_start + (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+    tile_rows = tl.minimum(q_end - tile_start, BLOCK_M)  # <= 0: a spare program, no work
+    context_len = seq_len - (q_end - q_start)  # keys already in the cache before this step
+    # Keys up to the tile's last query position; none for padding and spare programs.
+    key_hi = context_len + (tile_start - q_start) + tile_rows
+    key_hi = tl.where(is_real & (tile_rows > 0), tl.minimum(key_hi, seq_len), 0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_new_ptr += kv_head * stride_kh
+    v_new_ptr += kv_head * stride_vh
+    head_offset = kv_head * stride_cache_head
+
+    # The KV-cache write, fused: the tile's program stores its tokens' K and V (padding ones
+    # into block 0, the runtime's scratch). Nothing of this launch reads them from the cache.
+    tokens = tile_start + offs_m
+    token_ok = offs_m < tile_rows
+    slots = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
+    dst = (
+        (
+            (slots // KV_BLOCK_SIZE) * stride_cache_block
+            + (slots % KV_BLOCK_SIZE) * stride_cache_slot
+        )[:, None]
+        + head_offset
+        + offs_d[None, :]
+    )
+    src = tokens.to(tl.int64)[:, None]
+    k_rows = tl.load(k_new_ptr + src * stride_kt + offs_d[None, :], mask=token_ok[:, None])
+    v_rows = tl.load(v_new_ptr + src * stride_vt + offs_d[None, :], mask=token_ok[:, None])
+    tl.store(k_cache_ptr + dst, k_rows.to(k_cache_ptr.dtype.element_ty), mask=token_ok[:, None])
+    tl.store(v_cache_ptr + dst, v_rows.to(v_cache_ptr.dtype.element_ty), mask=token_ok[:, None])
+
+    # Dot rows: row r is query token r // GROUP_P2 of the tile, head r % GROUP_P2 of the group.
+    offs_r = tl.arange(0, BLOCK_M * GROUP_P2)
+    row_tok = offs_r // GROUP_P2
+    row_head = offs_r % GROUP_P2
+    heads = kv_head * GROUP + row_head
+    row_ok = (row_tok < tile_rows) & (row_head < GROUP)
+    row_tokens = (tile_start + row_tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + row_tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if COMPUTE_F32:
+        q = q.to(tl.float32)
+    # Query i of the sequence sits at position context_len + i. Rows past the tile's tokens
+    # see every key of the tile so their softmax stays finite; they are never stored.
+    row_last = context_len + (tile_start - q_start) + row_tok
+    row_last = tl.where(row_tok < tile_rows, row_last, key_hi - 1)
+
+    m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + tl.minimum(seq, num_seqs - 1).to(tl.int64) * stride_bt
+    if COMPUTE_F32:
+        # Interpreter: a while loop, as in _paged_attention_kernel (NumPy >= 2.5 and range).
+        start = key_hi * 0
+        while start < key_hi:
+            m_i, l_i, acc = _attend_tile_causal(
+                q, m_i, l_i, acc, row_last, start, key_hi, context_len, q_start, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
+                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
+                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(0, key_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile_causal(
+                q, m_i, l_i, acc, row_last, start, key_hi, context_len, q_start, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
+                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
+                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+
+    # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + row_tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
 INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction)
 """True when triton was imported with TRITON_INTERPRET=1: kernels then run on CPU tensors."""
 
@@ -359,6 +607,25 @@ def choose_num_splits(
         _MAX_SPLITS,
     )
     return max(splits, 1)
+
+
+@functools.cache
+def tiled_prefill_enabled() -> bool:
+    """Whether COMPILE_ENGINE_TILED_PREFILL=1 switches the query-tiled variant on; read once
+    per process (`tiled_prefill_enabled.cache_clear()` re-reads it)."""
+    value = os.environ.get(_TILED_ENV, "0").strip()
+    if value not in ("", "0", "1"):
+        raise PagedAttentionKernelError(f"{_TILED_ENV}={value!r}: set it to 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def choose_tiled(num_tokens: int, num_seqs: int) -> bool:
+    """The automatic choice (tiled=None): the single-token kernel unless the environment
+    switches the tiled variant on and the batch is prefill-heavy by its shapes (at least
+    `_TILED_MIN_TOKENS_PER_SEQ` tokens per sequence slot). Never reads tensor values."""
+    if not tiled_prefill_enabled():
+        return False
+    return num_tokens >= _TILED_MIN_TOKENS_PER_SEQ * max(num_seqs, 1)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, block_tables: Tensor) -> None:
@@ -407,10 +674,14 @@ def paged_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    tiled: bool | None = None,
 ) -> Tensor:
     """Same contract as `models.ops.paged_attention`: writes k/v into kv_cache through
     slot_mapping, returns attention output [T, Hq, D]. num_splits: None chooses from shapes
-    (`choose_num_splits`), 1 forces the single-pass kernel, > 1 forces split-KV."""
+    (`choose_num_splits`), 1 forces the single-pass kernel, > 1 forces split-KV. tiled: True
+    runs the query-tiled prefill variant (no splits), False the single-token kernel, None
+    chooses (`choose_tiled`, only when num_splits is None: off unless
+    COMPILE_ENGINE_TILED_PREFILL=1)."""
     _validate(q, k, v, kv_cache, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -423,6 +694,17 @@ def paged_attention_triton(
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.long()
+    if tiled is None:
+        tiled = num_splits is None and choose_tiled(num_tokens, block_tables.shape[0])
+    if tiled:
+        if num_splits not in (None, 1):
+            raise PagedAttentionKernelError(
+                f"the tiled prefill variant does not split KV; got num_splits={num_splits} "
+                "(pass tiled=False to split, or num_splits=None)"
+            )
+        _launch_tiled(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
+                      query_start_loc, scale, out)  # fmt: skip
+        return out
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_tokens, num_kv_heads, max_context, q.device)
@@ -506,6 +788,75 @@ def paged_attention_triton(
                 num_warps=4 if not on_cpu else 1,
             )
     return out
+
+
+def _launch_tiled(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    out: Tensor,
+) -> None:
+    """Launch `_paged_attention_tiled_kernel` (inputs already validated and converted)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = block_tables.shape[0]
+    on_cpu = q.device.type == "cpu"
+    config = _TILED_CONFIGS["cpu" if on_cpu else "cuda"]
+    group = num_q_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    # ROWS >= 16 and a power of two, so the dot has >= 16 rows; a group wider than ROWS
+    # takes one token a tile.
+    block_m = max(config["ROWS"] // group_p2, 1)
+    dot_precision = "ieee" if q.dtype == torch.float32 or on_cpu else "tf32"
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    # An upper bound on the tiles from shapes only: sequence b's tiles start at
+    # query_start_loc[b] // BLOCK_M + b, and the padding past query_start_loc[-1] is one more
+    # "sequence". Programs past the last tile find no rows and store nothing.
+    grid = (num_tokens // block_m + num_seqs + 1, num_kv_heads)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _paged_attention_tiled_kernel[grid](
+            q,
+            k,
+            v,
+            slot_mapping,
+            k_cache,
+            v_cache,
+            out,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            num_tokens,
+            num_seqs,
+            scale * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            GROUP_P2=group_p2,
+            BLOCK_M=block_m,
+            HEAD_DIM=head_dim,
+            KV_BLOCK_SIZE=block_size,
+            BLOCK_N=config["BLOCK_N"],
+            COMPUTE_F32=on_cpu,
+            DOT_PRECISION=dot_precision,
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
 
 
 # The op the paged-attention pass swaps in for ce::paged_attention: same schema, opaque to
@@ -638,13 +989,17 @@ def make_batch(
 
 
 def check(
-    batch: PagedBatch, *, num_splits: int | None = None, atol: float | None = None
+    batch: PagedBatch,
+    *,
+    num_splits: int | None = None,
+    atol: float | None = None,
+    tiled: bool | None = None,
 ) -> dict[str, float]:
     """Run the kernel and the reference on copies of the cache; raise AssertionError if the
     outputs or the written caches differ. Returns max abs error and cosine similarity."""
     cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = paged_attention_ref(*batch.args(cache_ref))
-    got = paged_attention_triton(*batch.args(cache_out), num_splits=num_splits)
+    got = paged_attention_triton(*batch.args(cache_out), num_splits=num_splits, tiled=tiled)
     if atol is None:
         atol = {torch.float32: 1e-4, torch.float16: 2e-3}.get(batch.q.dtype, 2e-2)
     err = (got.float() - expected.float()).abs().max().item() if got.numel() else 0.0

@@ -123,7 +123,85 @@ def test_custom_op_traces_as_one_node():
     assert torch.equal(cache_op, cache_ref)
 
 
+# The query-tiled prefill variant (tiled=True). Chunk lengths 5, 19 and 17 are not multiples
+# of BLOCK_M (16 for group 1, 4 for group 4 on CPU); chunks with context, decodes, an empty
+# sequence, padding tokens and padding sequences share one batch.
+TILED_Q_LENS = [5, 1, 19, 0, 1, 17]
+TILED_SEQ_LENS = [12, 9, 19, 2, 30, 50]
+
+
+@interpreted
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_tiled_matches_reference(block_size: int, dtype: torch.dtype, group: int):
+    batch = pa.make_batch(
+        TILED_Q_LENS,
+        TILED_SEQ_LENS,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=32 if dtype == torch.float16 else 16,
+        block_size=block_size,
+        dtype=dtype,
+        pad_tokens=3,
+        pad_seqs=2,
+        seed=block_size + group,
+    )
+    atol = 1e-4 if dtype == torch.float32 else 2e-3
+    # check() also compares the KV cache written by the kernel (padding into block 0).
+    pa.check(batch, tiled=True, atol=atol)
+    out = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), tiled=True)
+    real = int(batch.query_start_loc[-1])
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+
+
+@interpreted
+def test_tiled_chosen_by_environment(monkeypatch: pytest.MonkeyPatch):
+    # COMPILE_ENGINE_TILED_PREFILL=1 reaches the custom op the engine calls; the choice is
+    # read once, so the cache is cleared around the change.
+    batch = pa.make_batch([6, 9], [6, 20], block_size=4)
+    launched = []
+    launch = pa._launch_tiled
+    monkeypatch.setattr(pa, "_launch_tiled", lambda *a: launched.append(1) or launch(*a))
+    monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", "1")
+    pa.tiled_prefill_enabled.cache_clear()
+    try:
+        cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
+        expected = paged_attention_ref(*batch.args(cache_ref))
+        got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op))
+        assert launched == [1]
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(cache_op, cache_ref)
+        pa.paged_attention_triton(*batch.args(cache_op), num_splits=1)  # explicit: untiled
+        assert launched == [1]
+    finally:
+        pa.tiled_prefill_enabled.cache_clear()
+
+
+@interpreted
+def test_tiled_refuses_splits():
+    batch = pa.make_batch([3], [9])
+    with pytest.raises(pa.PagedAttentionKernelError, match="does not split"):
+        pa.paged_attention_triton(*batch.args(), tiled=True, num_splits=2)
+
+
 # --------------------------------------------------------------------------- anywhere
+
+
+def test_choose_tiled_is_off_unless_the_environment_says_so(monkeypatch: pytest.MonkeyPatch):
+    try:
+        for value, expected in (("", False), ("0", False), ("1", True)):
+            monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", value)
+            pa.tiled_prefill_enabled.cache_clear()
+            assert pa.choose_tiled(2048, 4) is expected  # prefill-heavy shapes
+            assert pa.choose_tiled(256, 256) is False  # decode shapes: never tiled
+        monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", "yes")
+        pa.tiled_prefill_enabled.cache_clear()
+        with pytest.raises(pa.PagedAttentionKernelError, match="set it to 1"):
+            pa.choose_tiled(2048, 4)
+    finally:
+        monkeypatch.delenv("COMPILE_ENGINE_TILED_PREFILL")
+        pa.tiled_prefill_enabled.cache_clear()
 
 
 def test_choose_num_splits_reads_shapes_only():
@@ -165,10 +243,14 @@ def test_interpreter_cases_in_subprocess():
 LLAMA8B = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
 
 
-def _gpu_compare(batch: pa.PagedBatch, num_splits: int | None = None) -> None:
+def _gpu_compare(
+    batch: pa.PagedBatch, num_splits: int | None = None, tiled: bool | None = None
+) -> None:
     cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = paged_attention_ref(*batch.args(cache_ref)).float()
-    got = pa.paged_attention_triton(*batch.args(cache_out), num_splits=num_splits).float()
+    got = pa.paged_attention_triton(
+        *batch.args(cache_out), num_splits=num_splits, tiled=tiled
+    ).float()
     cos = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item()
     err = (got - expected).abs().max().item()
     assert cos >= 0.999, f"cosine {cos}"
@@ -205,8 +287,38 @@ def test_gpu_mixed_bf16(num_splits: int | None):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("num_splits", [None, 1], ids=["auto", "single"])
-def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None):
+@pytest.mark.parametrize("context", [0, 1536])
+def test_gpu_tiled_prefill_bf16(context: int):
+    # Four 512-token chunks, with and without cached context, plus decodes and padding.
+    batch = pa.make_batch(
+        [512] * 4 + [1] * 4,
+        [context + 512] * 4 + [700, 33, 2048, 5],
+        pad_tokens=7,
+        pad_seqs=2,
+        dtype=torch.bfloat16,
+        device="cuda",
+        **LLAMA8B,
+    )
+    _gpu_compare(batch, tiled=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tiled_matches_single_token_kernel_bf16():
+    batch = pa.make_batch(
+        [512, 300, 1], [2048, 300, 900], dtype=torch.bfloat16, device="cuda", **LLAMA8B
+    )
+    tiled = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), tiled=True).float()
+    single = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), tiled=False).float()
+    assert (tiled - single).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "num_splits, tiled", [(None, None), (1, None), (None, True)], ids=["auto", "single", "tiled"]
+)
+def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None, tiled: bool | None):
     # Captured on one batch, replayed on another of the same shapes: nothing value-dependent
     # may be baked into the graph (grid, split ranges, sequence lookup).
     shapes = dict(
@@ -217,12 +329,14 @@ def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None):
     second = pa.make_batch([1, 1, 5, 1], [300, 2, 64, 17], seed=2, **shapes)
 
     def run(b: pa.PagedBatch) -> torch.Tensor:
-        return pa.paged_attention_triton(*b.args(), num_splits=num_splits)
+        return pa.paged_attention_triton(*b.args(), num_splits=num_splits, tiled=tiled)
 
     expected = {}
     for name, b in (("first", first), ("second", second)):
         cache = b.kv_cache.clone()
-        expected[name] = pa.paged_attention_triton(*b.args(cache), num_splits=num_splits)
+        expected[name] = pa.paged_attention_triton(
+            *b.args(cache), num_splits=num_splits, tiled=tiled
+        )
     static = pa.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
