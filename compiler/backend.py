@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-import models.ops  # noqa: F401  (registers torch.ops.ce)
+from models import ops  # also registers torch.ops.ce
 from passes.manager import PassManager
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,18 @@ def is_split_node(node: fx.Node) -> bool:
     )
 
 
+def host_sync_ops(graph: fx.Graph) -> list[str]:
+    """The `ce` ops in `graph` whose reference synchronises with the host."""
+    found = {
+        node.target._schema.name.removeprefix("ce::")
+        for node in graph.nodes
+        if node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target._schema.name.startswith("ce::")
+    }
+    return sorted(found & ops.HOST_SYNC_OPS)
+
+
 @dataclass(slots=True)
 class PieceRecord:
     name: str
@@ -64,6 +76,9 @@ class PieceRecord:
 class BackendStats:
     compilations: int = 0  # how many graphs Dynamo handed us; > 1 after warm-up = recompile
     pieces: list[PieceRecord] = field(default_factory=list)
+    # ce ops left after the passes whose reference reads device values on the host
+    # (models.ops.HOST_SYNC_OPS): while any remains, the graph cannot be CUDA-graph captured.
+    host_sync_ops: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0  # Dynamo, from the first call until it hands us the graph
     pass_seconds: float = 0.0
     seconds: float = 0.0  # passes + split + Inductor
@@ -78,6 +93,7 @@ class BackendStats:
             "num_pieces": len(self.pieces),
             "num_attention_pieces": sum(p.is_attention for p in self.pieces),
             "num_compiled_pieces": self.unique_pieces,
+            "host_sync_ops": self.host_sync_ops,
             "trace_seconds": round(self.trace_seconds, 2),
             "pass_seconds": round(self.pass_seconds, 2),
             "backend_seconds": round(self.seconds, 2),
@@ -162,6 +178,7 @@ class PiecewiseBackend:
             self.stats.trace_seconds = start - self.capture_started
         self.pass_manager(gm.graph)
         gm.recompile()
+        self.stats.host_sync_ops = host_sync_ops(gm.graph)
         self.stats.pass_seconds = time.perf_counter() - start
         split, attention = split_at_attention(gm)
         self.graph = split

@@ -294,3 +294,4 @@ OPS = {
     "mla_latent_attention": (mla_latent_attention, mla_latent_attention_ref),
 }
 ops.OPS.update(OPS)  # one vocabulary: models.ops imports this module at its end
+ops.HOST_SYNC_OPS.update(OPS)  # both references walk the sequences on the host

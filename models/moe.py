@@ -245,6 +245,7 @@ MOE_OPS = {
     "moe_combine": (moe_combine, moe_combine_ref),
 }
 ops.OPS.update(MOE_OPS)
+ops.HOST_SYNC_OPS.add("moe_grouped_gemm")  # its reference loops over the experts present
 
 
 # --------------------------------------------------------------------------- config

@@ -263,6 +263,10 @@ OPS = {
     "paged_attention": (paged_attention, paged_attention_ref),
 }
 
+# Ops whose reference reads device values on the host (sequence lengths, experts present): a
+# graph that still calls one cannot be captured in a CUDA graph; their kernel lowerings can.
+HOST_SYNC_OPS: set[str] = {"paged_attention"}
+
 # Ops defined in modules of their own join OPS when they are imported; importing them here
 # means that importing models.ops registers the whole vocabulary (torch.ops.ce.*).
 import models.mla  # noqa: E402, F401

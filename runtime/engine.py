@@ -20,7 +20,6 @@ from compiler.config import CompileConfig
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig
 from models.loader import LoadedModel, load_model
-from models.moe import SparseMoE
 from models.tokenizer import SAVED_DIR, load_tokenizer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import (
@@ -247,21 +246,17 @@ class LLMEngine:
         )
 
     def _graphs_possible(self) -> bool:
-        """CUDA graphs need a device, and an attention kernel without host synchronisation
-        (the reference reads sequence lengths on the host)."""
+        """CUDA graphs need a device and a graph without host synchronisation: no op left on
+        a reference that reads device values on the host (attention's reads sequence lengths,
+        the MoE grouped GEMM's the experts present), only their kernel lowerings."""
         if self.config.device.type != "cuda" or self.compiled is None:
             return False
         if not self.config.cuda_graphs:
             return False
-        applied = self.compiled.pass_manager.match_counts
-        # The MoE grouped GEMM's reference loops over the experts present (a host sync): only
-        # its fused lowering can be captured.
-        has_moe = any(isinstance(m, SparseMoE) for m in self.loaded.model.modules())
-        if has_moe and not applied.get("moe_grouped_gemm", 0):
-            return False
-        # On a CUDA target both attention passes lower to sync-free Triton kernels (`bench
-        # mla` captured DeepSeek-V2-Lite-shaped graphs with the MLA kernel on the H200).
-        return any(applied.get(name, 0) > 0 for name in ("paged_attention_triton", "mla_absorb"))
+        blocking = self.compiled.backend.stats.host_sync_ops
+        if blocking:
+            log.info("no CUDA graphs: %s run on host-synchronising references", blocking)
+        return not blocking
 
     @staticmethod
     def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:

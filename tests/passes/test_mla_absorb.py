@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_deepseek import make_tiny_deepseek
 
-from compiler.backend import is_split_node, split_at_attention
+from compiler.backend import host_sync_ops, is_split_node, split_at_attention
 from passes.base import PassContext
 from passes.registry import select
 from passes.testing import (
@@ -53,6 +53,10 @@ def test_one_match_per_layer(graph, target, emitted):
     assert torch.ops.ce.mla_attention.default not in targets
     names = [t._schema.name for t in targets if isinstance(t, torch._ops.OpOverload)]
     assert names.count(emitted) == LAYERS
+    # Capturable in a CUDA graph only where the kernel lowering replaced the reference.
+    syncing = host_sync_ops(rewritten.graph)  # (the MoE layers' own op is another pass's)
+    assert ("mla_latent_attention" in syncing) == (target == "cpu")
+    assert "mla_attention" not in syncing
     # W_UK into the query before the attention op, W_UV after it: two einsums per layer.
     assert targets.count(torch.einsum) == 2 * LAYERS
     # The latent op is a split point: one attention piece per layer.

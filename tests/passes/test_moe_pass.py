@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_moe import make_tiny_moe
 
+from compiler.backend import host_sync_ops
 from passes.base import PassContext
 from passes.testing import (
     apply_pass,
@@ -36,7 +37,10 @@ def graph(model_dir):
 def test_one_match_per_sparse_layer_on_h100(graph):
     ctx = PassContext("h100", torch.bfloat16)
     assert count_matches("moe_grouped_gemm", graph, ctx) == SPARSE_LAYERS
-    targets = targets_of(apply_pass("moe_grouped_gemm", graph, ctx))
+    assert "moe_grouped_gemm" in host_sync_ops(graph.graph)
+    rewritten = apply_pass("moe_grouped_gemm", graph, ctx)
+    assert "moe_grouped_gemm" not in host_sync_ops(rewritten.graph)  # capturable
+    targets = targets_of(rewritten)
     assert targets.count(torch.ops.ce_kernels.moe_fused_experts.default) == SPARSE_LAYERS
     for gone in ("moe_align", "moe_grouped_gemm", "moe_combine"):
         assert getattr(torch.ops.ce, gone).default not in targets, gone

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiler.backend import host_sync_ops
 from passes.base import PassContext
 from passes.testing import apply_pass, capture_graph, count_matches, targets_of
 
@@ -22,9 +23,13 @@ def graph():
 def test_one_match_per_layer_on_h100(graph):
     ctx = PassContext("h100", torch.bfloat16)
     assert count_matches("paged_attention_triton", graph, ctx) == LAYERS
-    targets = targets_of(apply_pass("paged_attention_triton", graph, ctx))
+    assert host_sync_ops(graph.graph) == ["paged_attention"]
+    rewritten = apply_pass("paged_attention_triton", graph, ctx)
+    targets = targets_of(rewritten)
     assert torch.ops.ce.paged_attention.default not in targets
     assert targets.count(torch.ops.ce_kernels.paged_attention.default) == LAYERS
+    # What lets the engine capture CUDA graphs: nothing left that syncs with the host.
+    assert host_sync_ops(rewritten.graph) == []
 
 
 def test_does_not_apply_on_cpu(graph):
