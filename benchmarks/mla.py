@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from kernels_generated.timing import event_seconds
 from models import mla
 
 PEAK_GB_S = 4260.0  # H200 HBM3e copy rate, BRIEF.md
@@ -120,29 +121,7 @@ def kv_bytes_table(element_size: int = 2) -> dict:
 
 def _latency(fn, *, cuda_graph: bool, iters: int, inner: int) -> float:
     """Median seconds per call of fn() (graph replay when cuda_graph)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    call = fn
-    if cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        call = graph.replay
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    return statistics.median(times)
+    return event_seconds(fn, cuda_graph=cuda_graph, iters=iters, inner=inner)
 
 
 def _inputs(batch_size: int, context: int):

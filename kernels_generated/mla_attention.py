@@ -46,6 +46,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from kernels_generated.timing import event_seconds
 from models.mla import mla_latent_attention_fake, mla_latent_attention_ref
 
 _LOG2E = 1.4426950408889634
@@ -639,30 +640,8 @@ def bench(
     (latent bytes read + q and out bytes) / time. cuda_graph=True captures one call and
     replays it, as the engine runs decode."""
     fn = mla_latent_attention_triton if fn is None else fn
-    args = batch.args()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    call = functools.partial(fn, *args)
-    if cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
-        call = graph.replay
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    seconds = sorted(times)[len(times) // 2]
+    call = functools.partial(fn, *batch.args())
+    seconds = event_seconds(call, cuda_graph=cuda_graph, warmup=warmup, iters=iters, inner=inner)
     q = batch.q_latent
     moved = batch.latent_bytes_read() + 2 * q.numel() * q.element_size()
     return {"seconds": seconds, "gb_s": moved / seconds / 1e9}

@@ -41,6 +41,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import CONFIG_DIR, ConfigTable
+from kernels_generated.timing import event_seconds
 from models.moe import (
     align_capacity,
     moe_align_ref,
@@ -452,29 +453,7 @@ def bench(fn, inputs: tuple, *, warmup: int = 3, iters: int = 20, cuda_graph: bo
     """Median seconds per call of fn(*inputs) on CUDA (events around 5 back-to-back calls);
     cuda_graph=True replays one captured call, as the engine runs decode."""
     call = functools.partial(fn, *inputs)
-    for _ in range(warmup):
-        call()
-    if cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            call()
-        call = graph.replay
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / 5)
-    return sorted(times)[len(times) // 2]
+    return event_seconds(call, cuda_graph=cuda_graph, warmup=warmup, iters=iters, inner=5)
 
 
 def tune(

@@ -66,6 +66,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
@@ -1029,29 +1030,7 @@ def bench(
     overhead, not the kernel. Repeated calls find a context smaller than L2 (60 MB on the
     H200) cached there."""
     fn = paged_attention_triton if fn is None else fn
-    args = batch.args()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    call = functools.partial(fn, *args)
-    if cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
-        call = graph.replay
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    seconds = sorted(times)[len(times) // 2]
+    call = functools.partial(fn, *batch.args())
+    seconds = event_seconds(call, cuda_graph=cuda_graph, warmup=warmup, iters=iters, inner=inner)
     moved = batch.kv_bytes_read() + 2 * batch.q.numel() * batch.q.element_size()
     return {"seconds": seconds, "gb_s": moved / seconds / 1e9}

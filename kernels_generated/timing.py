@@ -21,6 +21,45 @@ def graph_us(fn: Callable[[], object], rep_ms: int = 20) -> float:
     return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
 
 
+def event_seconds(
+    fn: Callable[[], object],
+    *,
+    cuda_graph: bool = False,
+    warmup: int = 3,
+    iters: int = 20,
+    inner: int = 10,
+) -> float:
+    """Median seconds per `fn()` on CUDA: `warmup` calls on a side stream (lazy initialisation
+    stays out of any capture), then `iters` samples of `inner` back-to-back calls between two
+    CUDA events. cuda_graph=True captures one call and replays it, as the engine runs decode:
+    eager timing of a small kernel measures Python launch overhead, not the kernel."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    call = fn
+    if cuda_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        call = graph.replay
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return sorted(times)[len(times) // 2]
+
+
 def kernel_main(
     description: str,
     check: Callable[[], float],
