@@ -44,6 +44,7 @@ from models.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 from models.moe import MoEConfig, SparseMoE
 
 # Per-expert checkpoint projections stacked into SparseMoE's w13 [E, 2I, H] and w2 [E, H, I].
@@ -221,9 +222,12 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
+    """The Llama pre-norm layer (its forward) with MLA attention and, past
+    first_k_dense_replace, a sparse MoE."""
+
     def __init__(self, config: DeepseekConfig, index: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not DecoderLayer.__init__: different modules
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAttention(config, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -232,27 +236,12 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config)
 
-    def forward(
-        self,
-        positions: Tensor,
-        hidden: Tensor,
-        residual: Tensor | None,
-        latent_cache: Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, latent_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
+class DeepseekModel(LlamaModel):
+    """LlamaModel's forward over DeepSeek layers; each layer's cache is its latent cache."""
 
-class DeepseekModel(nn.Module):
     def __init__(self, config: DeepseekConfig, max_positions: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(config.rope, config.qk_rope_head_dim, max_positions)
         self.layers = nn.ModuleList(
@@ -260,22 +249,8 @@ class DeepseekModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        kv_caches: list[Tensor],
-        meta: AttentionMetadata,
-    ) -> Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, D]
-        residual = None
-        for layer, latent_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, latent_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden  # [T, D]
 
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # Checkpoint projections that land in one fused parameter: checked by the loader.
     packed_modules = {
         "qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
@@ -292,7 +267,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         return deepseek_config_from_hf(hf, version=cls.version)
 
     def __init__(self, config: DeepseekConfig, max_positions: int | None = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a LlamaModel
         self.config = config
         self.model = DeepseekModel(config, max_positions or config.max_position_embeddings)
         if config.tie_word_embeddings:
@@ -300,26 +275,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        kv_caches: list[Tensor],
-        meta: AttentionMetadata,
-    ) -> Tensor:
-        """input_ids, positions [T] -> final hidden states [T, D]."""
-        return self.model(input_ids, positions, kv_caches, meta)
-
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's paged latent cache: [kv_a_layernorm(c_kv) | rotated k_pe] per token
         slot, R + P numbers (576 for DeepSeek-V2/V3) instead of K and V of every head."""
         cfg = self.config
         return (num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [S, D] of the rows that sample -> logits [S, V]."""
-        lm_head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return hidden @ lm_head.weight.t()
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
