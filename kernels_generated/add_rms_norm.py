@@ -42,6 +42,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import (
     CONFIG_DIR,
+    TARGET_OF_DEVICE,
     ConfigEntry,
     ConfigTable,
     TargetConfigs,
@@ -53,7 +54,6 @@ from models.ops import add_rms_norm_fake, add_rms_norm_ref, rms_norm_fake, rms_n
 CONFIG_FILE = CONFIG_DIR / "add_rms_norm.json"
 MAX_HIDDEN = 65536  # one tile per row: past this the registers spill (no model comes close)
 # A CUDA device is taken to be an H100/H200 (sm_90), the only GPU target.
-_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 
 
 class RmsNormKernelError(RuntimeError):
@@ -209,7 +209,7 @@ def rms_norm_triton(
         x_k, r_k = x_k.reshape(-1, hidden), r_k.reshape(-1, hidden)
         out_k, ro_k = out_k.view(-1, hidden), ro_k.view(-1, hidden)
 
-    target = _TARGET_OF_DEVICE[x.device.type]
+    target = TARGET_OF_DEVICE[x.device.type]
     config = config_for(target, bucket_tokens(num_rows), hidden)
     rows_inner, sxo, sxi = _rows(x_k)
     _, sro, sri = _rows(r_k)

@@ -31,6 +31,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# The config target a kernel running on a device type reads (targets are the engine's).
+TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 
 
 class ConfigFileError(ValueError):

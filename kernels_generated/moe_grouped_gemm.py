@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.configs import CONFIG_DIR, ConfigTable
+from kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, ConfigTable
 from kernels_generated.timing import event_seconds
 from models.moe import (
     align_capacity,
@@ -51,7 +51,6 @@ from models.moe import (
 from models.ops import silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "moe_grouped_gemm.json"
-_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 _ALIGN_CHUNK = 64
 # One align program walks the slots in chunks of 64 with a [64, E] comparison each: at a few
 # microseconds per chunk it stays below the GEMMs' time up to here; beyond, the torch reference
@@ -217,7 +216,7 @@ def shape_key(num_experts: int, hidden: int, inter: int, num_slots: int) -> dict
 def pick_config(
     num_experts: int, hidden: int, inter: int, num_slots: int, device: torch.device
 ) -> dict:
-    target = _TARGET_OF_DEVICE.get(device.type, device.type)
+    target = TARGET_OF_DEVICE.get(device.type, device.type)
     return config_table().lookup(target, shape_key(num_experts, hidden, inter, num_slots))
 
 

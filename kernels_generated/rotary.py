@@ -44,6 +44,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import (
     CONFIG_DIR,
+    TARGET_OF_DEVICE,
     ConfigEntry,
     ConfigTable,
     TargetConfigs,
@@ -53,7 +54,6 @@ from kernels_generated.timing import graph_us, kernel_main
 from models.ops import rotary_fake, rotary_ref
 
 CONFIG_FILE = CONFIG_DIR / "rotary.json"
-_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 
 
 class RotaryKernelError(RuntimeError):
@@ -248,7 +248,7 @@ def rotary_triton(
     k_dst = k_out if direct else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
 
-    target = _TARGET_OF_DEVICE[q.device.type]
+    target = TARGET_OF_DEVICE[q.device.type]
     config = config_for(target, bucket_tokens(num_tokens), num_q_heads + num_kv_heads, head_dim)
     heads_per_program = block_h or config["BLOCK_H"]
     half = cache.shape[-1] // 2

@@ -35,6 +35,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import (
     CONFIG_DIR,
+    TARGET_OF_DEVICE,
     ConfigEntry,
     ConfigTable,
     TargetConfigs,
@@ -44,7 +45,6 @@ from kernels_generated.timing import graph_us, kernel_main
 from models.ops import silu_and_mul_fake, silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "silu_and_mul.json"
-_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 
 
 class SiluAndMulKernelError(RuntimeError):
@@ -114,7 +114,7 @@ def silu_and_mul_triton(
     if num_tokens == 0 or inter == 0:
         return out
     out_flat = out.view(num_tokens, inter)  # the fake's new_empty is contiguous
-    config = config_for(_TARGET_OF_DEVICE[x.device.type], bucket_tokens(num_tokens), inter)
+    config = config_for(TARGET_OF_DEVICE[x.device.type], bucket_tokens(num_tokens), inter)
     block = block or config["BLOCK"]
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](

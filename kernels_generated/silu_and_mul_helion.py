@@ -35,12 +35,11 @@ import helion.language as hl
 import torch
 from torch import Tensor
 
-from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
+from kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, ConfigTable, bucket_tokens
 from models.ops import silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "silu_and_mul_helion.json"
 # The only GPU target: a CUDA device is taken to be an H100/H200 (sm_90).
-_TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -91,7 +90,7 @@ def silu_and_mul_helion_impl(gate: Tensor, up: Tensor) -> Tensor:
     num_tokens, inter = gate.shape
     if num_tokens == 0:
         return gate.new_empty((0, inter))
-    config = config_for(_TARGET_OF_DEVICE[gate.device.type], bucket_tokens(num_tokens), inter)
+    config = config_for(TARGET_OF_DEVICE[gate.device.type], bucket_tokens(num_tokens), inter)
     bound = silu_and_mul_kernel.bind((gate, up))
     return bound.compile_config(config, allow_print=False)(gate, up)
 
