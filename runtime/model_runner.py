@@ -52,12 +52,9 @@ class InFlightStep:
 
     step: SchedulerOutput
     sampling: list  # the requests that sample, in row order
-    rows: dict[str, int]  # request id -> row of token_ids
     token_ids: torch.Tensor | None  # [S] on the device: inputs of the next step's pending tokens
     host: list[torch.Tensor] | None  # tokens (+ logprobs, top ids, top values) on the host
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU)
-    num_logprobs: list[int | None] | None
-    has_logprobs: bool
 
 
 @dataclass(slots=True)
@@ -228,8 +225,9 @@ class ModelRunner:
             return ids
         if previous is None or previous.token_ids is None:
             raise RuntimeError("a step has pending tokens but no step in flight samples them")
+        rows = {r.request_id: i for i, r in enumerate(previous.sampling)}
         try:
-            src = [previous.rows[rid] for _, rid in inputs.pending]
+            src = [rows[rid] for _, rid in inputs.pending]
         except KeyError as e:
             raise RuntimeError(
                 f"request {e} has a pending token the last step did not sample"
@@ -248,12 +246,12 @@ class ModelRunner:
         `previous` is the step still in flight, whose sampled tokens feed this step's pending
         ones."""
         if not step.scheduled:
-            return InFlightStep(step, [], {}, None, None, None, None, None)
+            return InFlightStep(step, [], None, None, None)
         inputs = self.prepare(step)
         hidden = self._run_model(self._input_ids(inputs, previous), inputs.positions, inputs.meta)
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
-            return InFlightStep(step, [], {}, None, None, None, None, None)
+            return InFlightStep(step, [], None, None, None)
         rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
@@ -278,16 +276,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return InFlightStep(
-            step,
-            sampling,
-            {r.request_id: i for i, r in enumerate(sampling)},
-            out.token_ids,
-            host,
-            done,
-            [r.sampling_params.logprobs for r in sampling],
-            out.logprobs is not None,
-        )
+        return InFlightStep(step, sampling, out.token_ids, host, done)
 
     def collect(self, flight: InFlightStep) -> RunnerOutput:
         """Wait for a launched step's tokens (the step's one device-to-host sync)."""
@@ -298,9 +287,10 @@ class ModelRunner:
         tokens = flight.host[0].tolist()
         sampled = {r.request_id: t for r, t in zip(flight.sampling, tokens, strict=True)}
         logprobs: dict[str, TokenLogprobs] = {}
-        if flight.has_logprobs:
+        if len(flight.host) > 1:
             chosen, top_ids, top_vals = (t.tolist() for t in flight.host[1:])
-            for i, (r, k) in enumerate(zip(flight.sampling, flight.num_logprobs, strict=True)):
+            for i, r in enumerate(flight.sampling):
+                k = r.sampling_params.logprobs
                 if k is None:
                     continue
                 top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
