@@ -188,9 +188,9 @@ def test_tiled_refuses_splits():
 # --------------------------------------------------------------------------- anywhere
 
 
-def test_choose_tiled_is_off_unless_the_environment_says_so(monkeypatch: pytest.MonkeyPatch):
+def test_choose_tiled_is_on_unless_the_environment_says_off(monkeypatch: pytest.MonkeyPatch):
     try:
-        for value, expected in (("", False), ("0", False), ("1", True)):
+        for value, expected in (("", True), ("1", True), ("0", False)):
             monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", value)
             pa.tiled_prefill_enabled.cache_clear()
             assert pa.choose_tiled(2048, 4) is expected  # prefill-heavy shapes
