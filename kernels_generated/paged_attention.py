@@ -31,7 +31,7 @@ Query-tiled prefill variant (`tiled=True`; chosen by shapes, COMPILE_ENGINE_TILE
 switches the automatic choice off). The single-token kernel re-reads a prefill chunk's keys
 once per query token with 16-row dots; this one runs a program per (query tile, KV head), a
 tile being up to BLOCK_M consecutive tokens of one sequence, and puts the tile's BLOCK_M
-tokens x group heads (the group rounded up to a power of two) on the dot's rows, 128 on
+tokens x group heads (the group rounded up to a power of two) on the dot's rows, 64 on
 CUDA. Sequence b's tiles are numbered from `query_start_loc[b] // BLOCK_M + b` and found by
 binary search, the padding past `query_start_loc[-1]` counting as one more sequence, so the
 grid `(T // BLOCK_M + B + 1, Hkv)` is an upper bound from shapes only (programs without a
@@ -79,19 +79,22 @@ _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the paral
 _MAX_SPLITS = 64
 _CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed value keeps the choice deterministic
 
-# One config per device type. CUDA: best of BLOCK_N {32, 64, 128} x warps {4, 8} x stages
-# {2, 3, 4} on the H200 (bf16, Llama-3-8B heads, decode at batch 1/64/256, context 4k/32k).
+# One config per device type. CUDA: best of BLOCK_N {32, 64, 128} x warps {2, 4, 8} x stages
+# {2, 3, 4} on the H200 (bf16, Llama-3-8B heads, block 16) at the engine's decode shapes: batch
+# 256 with contexts 40-160 and 513-768, batch 64 with 40-160 (48 / 204 / 16.5 us, against 72 /
+# 244 / 22.5 us for the earlier 64 / 4 / 3, which had been tuned at contexts of 4k and 32k).
 _CONFIGS = {
-    "cuda": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "cuda": {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2},
     "cpu": {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
 }
 
 
 # The query-tiled prefill variant: ROWS dot rows a program (BLOCK_M query tokens x the group
-# rounded up to a power of two). CUDA: the usual flash-attention shapes for head_dim 128
-# (128 x 64 tiles, 8 warps); 10-13x the single-token kernel on 512-token chunks on the H200.
+# rounded up to a power of two). CUDA: best of ROWS {64, 128} x BLOCK_N {32, 64, 128} x warps
+# {4, 8} x stages {2, 3} on the H200 for three 600-token chunks beside 237 decodes (321 us,
+# 350 for 128 / 64 / 8 / 2) and within 2% of the best on four 512-token chunks (80 us).
 _TILED_CONFIGS = {
-    "cuda": {"ROWS": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    "cuda": {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
     "cpu": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
 }
 _TILED_ENV = "COMPILE_ENGINE_TILED_PREFILL"
