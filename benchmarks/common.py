@@ -13,7 +13,12 @@ import torch
 from benchmarks.results import DEFAULT_DIRECTORY
 
 
-def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int | None = 256) -> None:
+def add_engine_flags(
+    p: argparse.ArgumentParser,
+    *,
+    max_num_seqs: int | None = 256,
+    max_num_batched_tokens: int = 2048,
+) -> None:
     """The LLM(...) settings a benchmark passes through, plus where its JSON goes."""
     p.add_argument("--model", required=True, help="HF directory (see bench make-model)")
     p.add_argument("--target", default=None, choices=["cpu", "h100"])
@@ -22,7 +27,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int | None = 2
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")

@@ -25,6 +25,7 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.results import print_table, write_result
+from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 
 def bench_throughput(
@@ -76,7 +77,8 @@ def bench_throughput(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench throughput", description=__doc__.splitlines()[0])
-    add_engine_flags(p, max_num_seqs=256)
+    # LLM's own default budget: this is the offline API's benchmark.
+    add_engine_flags(p, max_num_seqs=256, max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)

@@ -10,6 +10,12 @@ from runtime.sampling_params import SamplingParams
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
 
+# The offline API's token budget a step: larger than the server's 2,048 (which keeps
+# inter-token latency low), as vLLM's LLM class also takes a larger one. Offline, steps of many
+# prefill tokens run the GEMMs nearer their peak (benchmarks/results/throughput-*.json record
+# the budget of each run).
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
+
 
 class LLM:
     def __init__(
@@ -22,7 +28,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
