@@ -32,7 +32,57 @@ def _timed(table: dict, name: str, fn):
     return wrapper
 
 
-def breakdown(llm, batch: int, steps: int, input_len: int, rng_seed: int = 0) -> dict:
+# Device kernels by what they do, matched on their names (first match wins).
+_KERNEL_KINDS = (
+    ("attention", ("paged_attention", "reduce_splits", "mla_")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("rotary", ("rotary",)),
+    ("sampling", ("argmax", "reduce_kernel", "softmax", "topk", "sort")),
+    ("copies", ("memcpy", "memset")),
+    ("fused elementwise (Inductor)", ("triton_",)),
+)
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in _KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_table(engine, steps: int, top: int = 12) -> dict:
+    """Device time a step by kind of kernel and the top kernels, from torch.profiler over
+    `steps` engine steps (one step stays in flight, so the steps' kernels are all counted once
+    the profile ends with a synchronize)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = defaultdict(float)
+    kernels = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total / steps
+        if us <= 0:
+            continue
+        kinds[_kind(e.key)] += us
+        kernels.append((us, e.count / steps, e.key))
+    kernels.sort(reverse=True)
+    return {
+        "device_us_per_step": round(sum(kinds.values()), 1),
+        "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": name[:90], "us_per_step": round(us, 1), "calls_per_step": round(calls, 2)}
+            for us, calls, name in kernels[:top]
+        ],
+    }
+
+
+def breakdown(
+    llm, batch: int, steps: int, input_len: int, rng_seed: int = 0, kernels: bool = False
+) -> dict:
     import random
 
     from runtime import SamplingParams
@@ -73,6 +123,7 @@ def breakdown(llm, batch: int, steps: int, input_len: int, rng_seed: int = 0) ->
             runner.collect,
             sched.update_from_output,
         ) = originals
+    table = kernel_table(engine, min(steps, 8)) if kernels and torch.cuda.is_available() else None
     for i in range(batch):
         engine.abort_request(f"b{i}")
     step = statistics.median(step_times)
@@ -96,6 +147,7 @@ def breakdown(llm, batch: int, steps: int, input_len: int, rng_seed: int = 0) ->
         "step_ms": round(step * 1e3, 3),
         "phases_ms": {k: round(v * 1e3, 3) for k, v in rows.items()},
         "model_device_ms": round(device_ms, 3) if device_ms is not None else None,
+        "kernels": table,
     }
 
 
@@ -105,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
+    p.add_argument(
+        "--kernels", action="store_true", help="also profile device time by kernel (CUDA)"
+    )
     args = p.parse_args(argv)
     from runtime import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
     results = [
-        breakdown(llm, int(b), args.steps, args.input_len) for b in args.batch_sizes.split(",")
+        breakdown(llm, int(b), args.steps, args.input_len, kernels=args.kernels)
+        for b in args.batch_sizes.split(",")
     ]
     for r in results:
         print(
@@ -119,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name, ms in r["phases_ms"].items():
             print(f"  {name:<36}{ms:8.3f} ms")
+        if r["kernels"]:
+            k = r["kernels"]
+            print(f"  device kernels {k['device_us_per_step']:.0f} us a step:")
+            for kind, us in k["by_kind_us"].items():
+                print(f"    {kind:<34}{us:8.1f} us")
+            for row in k["top_kernels"]:
+                print(f"    {row['us_per_step']:8.1f} us x{row['calls_per_step']:<6} {row['name']}")
     path = write_result(
         "breakdown",
         {"settings": engine_settings(llm), "results": results},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cli, kv_waste, latency, make_model, render, throughput
+from benchmarks import breakdown, cli, kv_waste, latency, make_model, render, throughput
 from benchmarks.results import FLAT_KEYS, device_slug, write_result
 
 RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
@@ -121,6 +121,41 @@ def test_throughput_end_to_end(tiny_model, tmp_path):
     assert set(data) >= RECORD_KEYS
     assert data["offline_output_tok_s"] > 0
     assert data["output_tokens"] == 6 * 5 and data["prompt_tokens"] == 6 * 12
+
+
+def test_throughput_uses_the_offline_token_budget(tiny_model, tmp_path):
+    # bench throughput measures LLM.generate as a user runs it: with LLM's own default budget.
+    from runtime.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+    args = throughput.build_parser().parse_args(["--model", str(tiny_model)])
+    assert args.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    llm = LLM(str(tiny_model), target="cpu", enforce_eager=True)
+    assert llm.engine.config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+
+def test_breakdown_end_to_end(tiny_model, tmp_path):
+    rc = breakdown.main(
+        ["--model", str(tiny_model), "--target", "cpu", "--batch-sizes", "1,3", "--steps", "4",
+         "--kernels", "--results-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert rc == 0
+    data = _only_json(tmp_path)
+    assert [r["batch"] for r in data["results"]] == [1, 3]
+    for r in data["results"]:
+        assert r["step_ms"] > 0 and "schedule" in r["phases_ms"]
+        assert r["kernels"] is None  # no CUDA here: no kernel profile, and none invented
+
+
+def test_breakdown_kernel_kinds():
+    assert breakdown._kind("_paged_attention_kernel") == "attention"
+    assert breakdown._kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "GEMM"
+    assert breakdown._kind("void cublasLt::splitKreduce_kernel<32, 16, int>") == "GEMM"
+    assert breakdown._kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == (
+        "fused elementwise (Inductor)"
+    )
+    assert breakdown._kind("_rotary_kernel") == "rotary"
+    assert breakdown._kind("Memcpy DtoD (Device -> Device)") == "copies"
+    assert breakdown._kind("something_else") == "other"
 
 
 def test_kv_waste_within_one_partial_block(tiny_model, tmp_path):
