@@ -371,7 +371,23 @@ def _breakdown(r: dict) -> list[str]:
     rows = [[n] + [f"{x['phases_ms'][n]:.3f}" for x in results] for n in names]
     rows.append(["**whole step**"] + [f"**{x['step_ms']:.2f}**" for x in results])
     rows.append(["model on device (graph replay)"] + [_fmt(x["model_device_ms"]) for x in results])
-    return _table(header, rows)
+    lines = _table(header, rows)
+    profiled = [x for x in results if x.get("kernels")]
+    if profiled:
+        kinds = list(dict.fromkeys(k for x in profiled for k in x["kernels"]["by_kind_us"]))
+        title = "Device time a step by kind of kernel (torch.profiler over engine steps):"
+        lines += ["", title, ""]
+        header = ["kernels (us a step)"] + [f"batch {x['batch']}" for x in profiled]
+        rows = [
+            [kind] + [_fmt(x["kernels"]["by_kind_us"].get(kind, 0.0)) for x in profiled]
+            for kind in kinds
+        ]
+        rows.append(
+            ["**all device kernels**"]
+            + [f"**{x['kernels']['device_us_per_step']:,.1f}**" for x in profiled]
+        )
+        lines += _table(header, rows)
+    return lines
 
 
 def _serve(r: dict) -> list[str]:
