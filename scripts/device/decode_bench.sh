@@ -1,17 +1,22 @@
 #!/bin/bash
 # The decode and offline rows of issue 7 on the H200, as the results in benchmarks/results were
-# made: the paged-attention GPU tests, then `bench latency` (batch 1/64/256) and `bench
-# throughput` (1000 x 512/256) on a Llama-3-8B-shaped random model made on the device.
+# made: the paged-attention GPU tests, then `bench latency` (batch 1/64/256), `bench
+# throughput` (1000 x 512/256, LLM's default token budget) and `bench breakdown --kernels`
+# (batch 1/64/256) on a Llama-3-8B-shaped random model made on the device.
 #   device call: carry [".whl"], command `bash scripts/device/decode_bench.sh <commit>`
-# (.whl from ../shared/tools/device-wheels.sh). JSON lands in $OUT/r.
+# (.whl from ../shared/tools/device-wheels.sh). JSON lands in $OUT/r. About 6 minutes.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 mkdir -p $OUT/r
 T0=$(date +%s)
+[ -d /tmp/l3 ] || (python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda 2>&1 | tail -1) &
 timeout 120 python3 -m pytest tests/kernels/test_paged_attention.py -m gpu -q -p no:cacheprovider 2>&1 | tail -2
 echo "== kernel tests at $(( $(date +%s) - T0 )) s"
-[ -d /tmp/l3 ] || python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda 2>&1 | tail -1
-timeout 240 python3 -m benchmarks latency --model /tmp/l3 --target h100 --dtype bfloat16 --batch-sizes 1,64,256 --num-iters 2 --results-dir $OUT/r 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -6
+wait
+L3="--model /tmp/l3 --target h100 --dtype bfloat16 --results-dir $OUT/r"
+timeout 240 python3 -m benchmarks latency $L3 --batch-sizes 1,64,256 --num-iters 2 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -6
 echo "== latency at $(( $(date +%s) - T0 )) s"
-timeout 200 python3 -m benchmarks throughput --model /tmp/l3 --target h100 --dtype bfloat16 --results-dir $OUT/r 2>&1 | tee $OUT/throughput.log | grep -v Warn | tail -4
+timeout 200 python3 -m benchmarks throughput $L3 2>&1 | tee $OUT/throughput.log | grep -v Warn | tail -4
 echo "== throughput at $(( $(date +%s) - T0 )) s"
+timeout 150 python3 -m benchmarks breakdown $L3 --batch-sizes 1,64,256 --kernels 2>&1 | tee $OUT/breakdown.log | grep -E "^batch|device kernels|^    [A-Za-z]" | head -30
+echo "== breakdown at $(( $(date +%s) - T0 )) s"
