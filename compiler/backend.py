@@ -10,6 +10,8 @@ placeholders). We
 3. compile each piece with Inductor for the dynamic token count. Layers 1..N-1 produce
    structurally identical pieces (only their parameter placeholders differ), so each distinct
    piece is compiled once and reused; a model of 32 layers compiles three pieces, not 65.
+   Inductor runs one post-grad pass of ours (compiler/inductor_passes.py) that keeps the
+   residual adds out of addmm, whose 2-D input aten would copy before every GEMM.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from compiler.inductor_passes import UNFUSE_RESIDUAL_ADDMM
 from models import ops  # also registers torch.ops.ce
 from passes.manager import PassManager
 
@@ -228,5 +231,8 @@ def _cache_counter(name: str) -> int:
 
 
 def inductor_compile(gm: fx.GraphModule, args: list) -> Callable:
-    compiled = torch._inductor.standalone_compile(gm, args, dynamic_shapes="from_tracing_context")
-    return compiled
+    # Our post-grad pass undoes Inductor's mm + residual -> addmm fusion, whose 2-D `self`
+    # aten copies into the output before the GEMM (compiler/inductor_passes.py). Patched per
+    # compile, not globally, so other torch.compile users in the process keep Inductor's own.
+    with torch._inductor.config.patch(post_grad_custom_post_pass=UNFUSE_RESIDUAL_ADDMM):
+        return torch._inductor.standalone_compile(gm, args, dynamic_shapes="from_tracing_context")
