@@ -259,8 +259,15 @@ def _paged_attention_kernel(
         token = tl.program_id(0)
         # The sequence owning this token: the last b with query_start_loc[b] <= token.
         # Padding sequences have q_len 0, so equal starts are skipped by taking the last b.
-        lo = token * 0
-        hi = lo + num_seqs
+        # First a guess, b = token, right for every decode before the batch's first prefill
+        # chunk (the scheduler puts running decodes first): two independent loads instead of
+        # log2(B) dependent ones. A hit is the only b whose range holds the token.
+        guess = tl.minimum(token, num_seqs - 1)
+        hit = (tl.load(query_start_loc_ptr + guess) <= token) & (
+            token < tl.load(query_start_loc_ptr + guess + 1)
+        )
+        lo = tl.where(hit, guess, 0)
+        hi = tl.where(hit, guess + 1, num_seqs)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             start_mid = tl.load(query_start_loc_ptr + mid)
