@@ -68,6 +68,7 @@ class CUDAGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0  # host time of the warm-up calls (part of capture_seconds)
         self.pool_bytes = 0
 
     def _meta(self, size: int) -> AttentionMetadata:
@@ -87,6 +88,24 @@ class CUDAGraphRunner:
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
 
+    def _warm_up(self, size: int) -> None:
+        start = time.perf_counter()
+        args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
+        self.forward(*args, self._meta(size))
+        self.warmup_seconds += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the forward once at every capture size on the all-padding batch, without
+        graphs. A build calls this: a kernel's first launch at a size can compile a Triton
+        specialisation (paged attention picks its split count and kernel variant from the
+        token count), and compiled here it lands in the artifact's Triton cache, so that the
+        capture at serve time only loads it."""
+        self.prepare_for_capture()
+        for size in reversed(self.sizes):
+            self._warm_up(size)
+        torch.cuda.synchronize()
+
     @torch.inference_mode()
     def capture(self) -> None:
         self.prepare_for_capture()
@@ -96,8 +115,8 @@ class CUDAGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
+                self._warm_up(size)  # lazy init (kernel loads, cuBLAS) outside the graph
                 args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
-                self.forward(*args, self._meta(size))  # warm-up: lazy init outside the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = self.forward(*args, self._meta(size))
@@ -109,11 +128,12 @@ class CUDAGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved() - before
         log.info(
-            "captured %d CUDA graphs (%d..%d tokens) in %.1f s, %.2f GiB",
+            "captured %d CUDA graphs (%d..%d tokens) in %.1f s (%.1f s of it warm-up), %.2f GiB",
             len(self.graphs),
             self.sizes[0],
             self.sizes[-1],
             self.capture_seconds,
+            self.warmup_seconds,
             self.pool_bytes / 2**30,
         )
 

@@ -5,6 +5,7 @@ eager path. These are the suite's few Inductor compiles; they share one cache di
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -109,6 +110,8 @@ print("RESULT " + json.dumps({
     "ready_s": ready,
     "pieces": llm.engine.compiled.backend.stats.as_dict()["pieces"],
     "compile_s": llm.engine.compiled.capture_seconds,
+    "caches": llm.engine.compiled.cache_stats,
+    "timings": llm.engine.timings,
 }))
 """
 
@@ -149,6 +152,19 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
     result = json.loads(load.stdout.split("RESULT ", 1)[1])
     assert all(p["cache"] == "hit" for p in result["pieces"]), result["pieces"]
     assert "cache miss" not in load.stderr  # no Inductor compile happened at load
+    # Nor an AOTAutograd trace: every distinct piece came whole from AOTAutograd's cache
+    # (before our references were vouched for, each load re-traced every piece).
+    assert result["caches"] == {
+        "aot_autograd_hits": 3,
+        "aot_autograd_misses": 0,
+        "aot_autograd_bypasses": 0,
+        "fx_graph_hits": 3,
+        "fx_graph_misses": 0,
+    }
+    # Start-up is reported phase by phase, the weight read apart (bench startup's breakdown).
+    assert {"artifact_check_s", "model_config_s", "weights_s", "compile_s", "gc_s"} <= set(
+        result["timings"]
+    )
     eager = LLM(str(model_dir), dtype="float32", target="cpu", enforce_eager=True)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
     assert result["tokens"] == want
@@ -182,6 +198,7 @@ def test_stale_or_foreign_artifact_is_refused(tmp_path, field, value, message):
     with pytest.raises(ArtifactError, match=message) as err:
         LLM(str(artifact))
     assert "compile-engine build" in str(err.value) and "\n" not in str(err.value)
+    assert gc.isenabled()  # start-up pauses the collector, and a failed one resumes it
 
 
 def test_passes_cli_lists_the_registry():

@@ -1,0 +1,43 @@
+"""bench startup end to end on the CPU, on a 2-layer random model: a build, then a fresh
+process ready from the artifact. No assertion is about a time; the checks are that the
+phases are reported apart, the weight read among them, and that they do not overlap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import make_model, startup
+
+RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
+
+
+def test_startup_end_to_end(tmp_path):
+    model = make_model.make_model("tiny-llama", tmp_path / "model")
+    results = tmp_path / "results"
+    rc = startup.main(
+        ["--model", str(model), "--target", "cpu", "--dtype", "float32", "--num-kv-blocks",
+         "16", "--out", str(tmp_path / "artifact"), "--results-dir", str(results)]
+    )  # fmt: skip
+    assert rc == 0
+    (path,) = results.glob("startup-*.json")
+    data = json.loads(path.read_text())
+    assert set(data) >= RECORD_KEYS
+    phases = data["ready_phases"]
+    assert {"import_s", "artifact_check_s", "model_config_s", "weights_s", "tokenizer_s",
+            "kv_cache_s", "compile_s", "gc_s"} <= set(phases)  # fmt: skip
+    # Disjoint phases: together they never exceed the ready time they split.
+    assert phases["unaccounted_s"] >= -0.005
+    assert data["weights_read_s"] == pytest.approx(phases["weights_s"], abs=0.006)
+    assert data["startup_ready_minus_weights_s"] == pytest.approx(
+        data["startup_ready_s"] - data["weights_read_s"], abs=0.011
+    )
+    breakdown = data["ready_breakdown"]
+    assert set(breakdown["compile_breakdown"]) == {
+        "dynamo_trace_s", "passes_s", "pieces_s", "backend_other_s", "after_backend_s"
+    }  # fmt: skip
+    # Loading compiled nothing: every piece whole from AOTAutograd's cache.
+    assert data["inductor_compiles_at_load"] == 0
+    assert breakdown["inductor_caches"]["aot_autograd_hits"] == 3
+    assert breakdown["inductor_caches"]["fx_graph_misses"] == 0
