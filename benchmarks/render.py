@@ -476,8 +476,17 @@ def _startup(r: dict) -> list[str]:
         ["  Inductor compile", _seconds(build.get("compile_s"))],
         ["  build total (in process)", _seconds(build.get("total_s"))],
         ["ready from the artifact (whole process)", _seconds(r.get("startup_ready_s"))],
-        ["  Python start + `import runtime`", _seconds(ready.get("import_s"))],
     ]
+    if "warm_up_s" in build:
+        rows.insert(
+            4, ["  run every CUDA-graph size (Triton kernels)", _seconds(build["warm_up_s"])]
+        )
+    if "ready_phases" in r:  # disjoint phases, from bench startup at 898f03e on
+        rows += [[f"  {_PHASES.get(k, k)}", _seconds(v)] for k, v in r["ready_phases"].items()]
+        minus = _seconds(r.get("startup_ready_minus_weights_s"))
+        lines += _table(["stage", "seconds"], [*rows, ["ready minus the weight read", minus]])
+        return lines + _startup_notes(r, c, ready)
+    rows.append(["  Python start + `import runtime`", _seconds(ready.get("import_s"))])
     for key, label in (
         ("weights_s", "weights"),
         ("tokenizer_s", "tokenizer"),
@@ -493,6 +502,27 @@ def _startup(r: dict) -> list[str]:
     if not engine:
         rows.append(["  (weights, tokenizer, KV cache: not split out by this run)", "—"])
     lines += _table(["stage", "seconds"], rows)
+    return lines + _startup_notes(r, c, ready)
+
+
+_PHASES = {
+    "import_s": "`import runtime` (torch)",
+    "artifact_check_s": "artifact manifest check",
+    "cuda_init_s": "CUDA context",
+    "model_config_s": "model config (imports transformers)",
+    "weights_s": "weight read",
+    "tokenizer_s": "tokenizer",
+    "activation_profile_s": "activation memory profile",
+    "kv_cache_s": "KV cache allocation",
+    "compile_s": "trace + compile from the artifact",
+    "cuda_graphs_s": "CUDA graph capture",
+    "gc_s": "garbage collection + freeze",
+    "unaccounted_s": "not in any phase",
+}
+
+
+def _startup_notes(r: dict, c: dict, ready: dict) -> list[str]:
+    lines = []
     pieces = "; ".join(
         f"{p['nodes']} nodes {p['seconds']:.2f} s, used x{p['reused_by'] + 1}"
         for p in c.get("pieces", [])
@@ -507,6 +537,14 @@ def _startup(r: dict) -> list[str]:
         f"{r.get('inductor_compiles_at_load')} Inductor compiles, {graphs}; ready / cold build "
         f"= {r.get('load_over_cold_build')}.",
     ]
+    caches = ready.get("inductor_caches")
+    if caches:
+        split = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ready["compile_breakdown"].items())
+        lines[-1] += (
+            f" {caches['aot_autograd_hits']} pieces came whole from AOTAutograd's cache; "
+            f"{r.get('triton_kernels_compiled_at_load')} Triton kernels were compiled at load. "
+            f"Trace + compile from the artifact, s: {split}."
+        )
     return lines
 
 
