@@ -53,14 +53,21 @@ def _kind(name: str) -> str:
 
 def kernel_table(engine, steps: int, top: int = 12) -> dict:
     """Device time a step by kind of kernel and the top kernels, from torch.profiler over
-    `steps` engine steps (one step stays in flight, so the steps' kernels are all counted once
-    the profile ends with a synchronize)."""
-    from torch.profiler import ProfilerActivity, profile
+    `steps` engine steps. Two warm-up steps come first (CUPTI drops the first kernels it sees:
+    a profile without them counted 6 of 8 steps), and the device is drained at both ends of
+    the window, so it holds exactly the kernels of the steps launched inside it."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    warmup = 2
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
+    ) as prof:
+        for i in range(warmup + steps):
             engine.step()
-        torch.cuda.synchronize()
+            if i in (warmup - 1, warmup + steps - 1):
+                torch.cuda.synchronize()
+            prof.step()
     kinds: dict[str, float] = defaultdict(float)
     kernels = []
     for e in prof.key_averages():
@@ -90,7 +97,9 @@ def breakdown(
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     prompts = random_prompts(batch, input_len, vocab, random.Random(rng_seed))
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=steps + 24, ignore_eos=True
+    )  # + the kernel profile
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
