@@ -51,7 +51,7 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def kernel_table(engine, steps: int, top: int = 12) -> dict:
+def kernel_table(engine, steps: int, top: int = 30) -> dict:
     """Device time a step by kind of kernel and the top kernels, from torch.profiler over
     `steps` engine steps. Two warm-up steps come first (CUPTI drops the first kernels it sees:
     a profile without them counted 6 of 8 steps), and the device is drained at both ends of
