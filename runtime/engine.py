@@ -14,20 +14,20 @@ from pathlib import Path
 
 import torch
 
-from compiler.artifact import Manifest, is_artifact
+from compiler.artifact import Manifest, device_description, is_artifact
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig
 from models.loader import LoadedModel, load_model, read_hf_config, resolve_source
 from models.tokenizer import SAVED_DIR, load_tokenizer
+from runtime.activation_profile import activation_bytes
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import (
     InFlightStep,
     ModelRunner,
     TokenLogprobs,
     default_num_blocks,
-    profile_activation_bytes,
 )
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
@@ -188,15 +188,23 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path, saved)
         self.timings["tokenizer_s"] = time.perf_counter() - mark
         reserve = 0
+        self.activation_profile_cached = False
         if device.type == "cuda" and config.num_kv_blocks is None:
             mark = time.perf_counter()
             gc.collect()  # no cyclic garbage holding device memory while the pool is sized
             # Activations of the largest step, twice: once for eager/compiled steps and once
             # for the CUDA graph pool (captured largest first, it is one graph's worth).
-            reserve = 2 * profile_activation_bytes(
-                loaded, config.max_num_batched_tokens, config.max_num_seqs
+            peak, cached = activation_bytes(
+                loaded,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                cache_dir=cache_dir,
+                device_name=device_description(config.target),
+                code=self.manifest.code_hash if self.manifest is not None else "",
             )
+            reserve = 2 * peak
             self.timings["activation_profile_s"] = time.perf_counter() - mark
+            self.activation_profile_cached = cached
         mark = time.perf_counter()
         num_blocks = config.num_kv_blocks or default_num_blocks(
             loaded,
