@@ -201,12 +201,21 @@ class _PieceCompiler(torch.fx.Interpreter):
         super().__init__(split)
         self.backend, self.split, self.attention = backend, split, attention
         self.compiled: dict[str, Callable] = {}
+        # Fake outputs of each piece already run, by its key and its non-tensor inputs' values
+        # (the structural key has only their types). The same graph on inputs of the same
+        # metadata gives outputs of the same metadata, and only metadata flows on to the next
+        # piece: running each of 30 identical layers on fake tensors again was a third of the
+        # backend's time (1.0 of 3.05 s for 32 layers on the 2-core CPU).
+        self.outputs: dict[tuple, object] = {}
 
     def call_module(self, target, args, kwargs):
         submod = self.fetch_attr(target)
-        out = super().call_module(target, args, kwargs)
         is_attention = target in self.attention
         key = structural_key(submod, list(args))
+        seen = (key, tuple(repr(a) for a in args if not isinstance(a, torch.Tensor)))
+        if kwargs or seen not in self.outputs:
+            self.outputs[seen] = super().call_module(target, args, kwargs)
+        out = self.outputs[seen]
         record = PieceRecord(target, key, is_attention, len(submod.graph.nodes))
         self.backend.stats.pieces.append(record)
         if is_attention:
