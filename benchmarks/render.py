@@ -484,7 +484,13 @@ def _startup(r: dict) -> list[str]:
     if "ready_phases" in r:  # disjoint phases, from bench startup at 898f03e on
         rows += [[f"  {_PHASES.get(k, k)}", _seconds(v)] for k, v in r["ready_phases"].items()]
         minus = _seconds(r.get("startup_ready_minus_weights_s"))
-        lines += _table(["stage", "seconds"], [*rows, ["ready minus the weight read", minus]])
+        rows.append(["ready minus the weight read", minus])
+        if "warm_ready_s" in r:  # a second start, finding what the first cached
+            rows += [
+                ["second start from the artifact (warm)", _seconds(r["warm_ready_s"])],
+                ["  minus the weight read", _seconds(r["warm_ready_minus_weights_s"])],
+            ]
+        lines += _table(["stage", "seconds"], rows)
         return lines + _startup_notes(r, c, ready)
     rows.append(["  Python start + `import runtime`", _seconds(ready.get("import_s"))])
     for key, label in (

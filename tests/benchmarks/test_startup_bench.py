@@ -41,3 +41,9 @@ def test_startup_end_to_end(tmp_path):
     assert data["inductor_compiles_at_load"] == 0
     assert breakdown["inductor_caches"]["aot_autograd_hits"] == 3
     assert breakdown["inductor_caches"]["fx_graph_misses"] == 0
+    # The second start is timed with the same phases.
+    warm = data["warm_ready_phases"]
+    assert warm["weights_s"] > 0 and warm["unaccounted_s"] >= -0.005
+    assert data["warm_ready_minus_weights_s"] == pytest.approx(
+        data["warm_ready_s"] - warm["weights_s"], abs=0.02
+    )
