@@ -51,6 +51,13 @@ def _kind(name: str) -> str:
     return "other"
 
 
+def is_device_event(name: str, device_type=None) -> bool:
+    """A kernel, memcpy or memset, not a CPU-side op or annotation that launched it."""
+    if device_type is not None:
+        return device_type == torch.autograd.DeviceType.CUDA
+    return not (name.startswith("aten::") or name.startswith("ProfilerStep"))
+
+
 def kernel_table(engine, steps: int, top: int = 30) -> dict:
     """Device time a step by kind of kernel and the top kernels, from torch.profiler over
     `steps` engine steps. Two warm-up steps come first (CUPTI drops the first kernels it sees:
@@ -72,7 +79,9 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
     kernels = []
     for e in prof.key_averages():
         us = e.self_device_time_total / steps
-        if us <= 0:
+        # Device events only: a CPU op (aten::mm) or the step annotation carries the device
+        # time of what it launched as its own, which would count those kernels twice.
+        if us <= 0 or not is_device_event(e.key, getattr(e, "device_type", None)):
             continue
         kinds[_kind(e.key)] += us
         kernels.append((us, e.count / steps, e.key))
