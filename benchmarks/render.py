@@ -347,6 +347,8 @@ def _details(r: dict) -> list[str]:
         lines += _startup(r)
     elif kind == "paged_attention":
         lines += _paged_attention(r)
+    elif kind == "paged_attention_prefill":
+        lines += _paged_attention_prefill(r)
     elif kind == "fusions":
         lines += _fusions(r)
     elif kind == "breakdown":
@@ -561,6 +563,33 @@ def _startup_notes(r: dict, c: dict, ready: dict) -> list[str]:
             f"Trace + compile from the artifact, s: {split}."
         )
     return lines
+
+
+def _paged_attention_prefill(r: dict) -> list[str]:
+    """Prefill chunks: the query-tiled kernel against the single-token one and the reference."""
+    lines = [
+        f"Prefill chunks, {r['shapes'].get('dtype')}; FLOPs counted: {r['flops_counted']}. "
+        f"Timing: {r['timing']} ({r['iters']} iters).",
+        "",
+    ]
+    header = ["chunks x tokens", "context", "tiled ms (TFLOP/s)", "single-token ms (TFLOP/s)"]
+    header += ["reference ms", "tiled speed-up"]
+
+    def cell(m: dict | None) -> str:
+        return "—" if m is None else f"{m['ms']:.3f} ({m['tflops']:.0f})"
+
+    rows = [
+        [
+            f"{x['chunks']} x {x['chunk_len']}",
+            f"{x['context']:,}",
+            cell(x.get("tiled")),
+            cell(x.get("untiled")),
+            cell(x.get("reference")),
+            f"{x['tiled_speedup']:.1f}x" if x.get("tiled_speedup") else "—",
+        ]
+        for x in r["rows"]
+    ]
+    return lines + _table(header, rows)
 
 
 def _paged_attention(r: dict) -> list[str]:
