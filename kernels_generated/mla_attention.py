@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import random
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from kernels_generated.paged_attention import paged_layout
 from kernels_generated.timing import event_seconds
 from models.mla import mla_latent_attention_fake, mla_latent_attention_ref
 
@@ -560,30 +560,11 @@ def make_batch(
     scratch block padding writes into); pad_tokens are appended past query_start_loc[-1] with
     slots in block 0, pad_seqs with q_len 0 and seq_len 0. The scale is that of a query head
     of qk_head_dim (default R + P)."""
-    if len(q_lens) != len(seq_lens) or any(q > s for q, s in zip(q_lens, seq_lens, strict=True)):
-        raise ValueError("need one seq_len >= q_len per sequence")
-    rng = random.Random(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    needed = 1 + sum(blocks_per_seq)
-    num_blocks = needed if num_blocks is None else num_blocks
-    width = max([*blocks_per_seq, 1]) if table_width is None else table_width
-    if num_blocks < needed or width < max([*blocks_per_seq, 1]):
-        raise ValueError(f"need {needed} blocks and a table width of {max(blocks_per_seq)}")
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    tables = torch.zeros(len(q_lens) + pad_seqs, width, dtype=torch.int32)
-    slots: list[int] = []
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        table = [free.pop() for _ in range(blocks_per_seq[b])]
-        tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    slots += [i % block_size for i in range(pad_tokens)]  # block 0, the scratch block
-    starts = [0]
-    for q_len in q_lens:
-        starts.append(starts[-1] + q_len)
-    starts += [starts[-1]] * pad_seqs
-    num_tokens = starts[-1] + pad_tokens
+    layout = paged_layout(
+        q_lens, seq_lens, block_size=block_size, device=device, pad_tokens=pad_tokens,
+        pad_seqs=pad_seqs, table_width=table_width, num_blocks=num_blocks, seed=seed,
+    )  # fmt: skip
+    num_tokens = layout.num_tokens
     row = kv_lora_rank + rope_dim
 
     # Drawn on the device: a multi-GB cache drawn on the host would take minutes.
@@ -595,11 +576,11 @@ def make_batch(
     return LatentBatch(
         q_latent=randn(num_tokens, num_heads, row),
         kv_latent=randn(num_tokens, row),
-        latent_cache=randn(num_blocks, block_size, row),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        seq_lens=torch.tensor([*seq_lens, *[0] * pad_seqs], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        latent_cache=randn(layout.num_blocks, block_size, row),
+        slot_mapping=layout.slot_mapping,
+        block_tables=layout.block_tables,
+        seq_lens=layout.seq_lens,
+        query_start_loc=layout.query_start_loc,
         kv_lora_rank=kv_lora_rank,
         scale=1.0 / math.sqrt(qk_head_dim or row),
     )

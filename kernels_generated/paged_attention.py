@@ -756,6 +756,16 @@ def paged_attention_triton(
     return out
 
 
+def _strides(
+    q: Tensor, out: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, block_tables: Tensor
+) -> tuple[int, ...]:
+    """The stride arguments both kernels take, in their order (stride_qt ... stride_bt)."""
+    return (
+        *q.stride()[:2], *out.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+        *k_cache.stride()[:3], block_tables.stride(0),
+    )  # fmt: skip
+
+
 def _launch_single(
     q: Tensor,
     k: Tensor,
@@ -814,18 +824,7 @@ def _launch_single(
             block_tables.shape[0],
             num_q_heads,
             scale * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            block_tables.stride(0),
+            *_strides(q, out, k, v, k_cache, block_tables),
             GROUP=group,
             BLOCK_G=block_g,
             HEAD_DIM=head_dim,
@@ -898,18 +897,7 @@ def _launch_tiled(
             num_tokens,
             num_seqs,
             scale * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            block_tables.stride(0),
+            *_strides(q, out, k, v, k_cache, block_tables),
             GROUP=group,
             GROUP_P2=group_p2,
             BLOCK_M=block_m,
@@ -985,28 +973,36 @@ class PagedBatch:
         return 2 * tokens * num_kv_heads * head_dim * self.kv_cache.element_size()
 
 
-def make_batch(
+@dataclass(slots=True)
+class PagedLayout:
+    """Where a test batch's tokens live in a paged cache, laid out as the runtime does."""
+
+    slot_mapping: Tensor  # [T] int64
+    block_tables: Tensor  # [B, width] int32
+    seq_lens: Tensor  # [B] int32
+    query_start_loc: Tensor  # [B + 1] int32
+    num_tokens: int  # T, padding included
+    num_blocks: int  # the cache's blocks, scratch block 0 included
+
+
+def paged_layout(
     q_lens: list[int],
     seq_lens: list[int],
     *,
-    num_q_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    block_size: int = 4,
-    dtype: torch.dtype = torch.float32,
+    block_size: int,
     device: str | torch.device = "cpu",
     pad_tokens: int = 0,
     pad_seqs: int = 0,
     table_width: int | None = None,
     num_blocks: int | None = None,
     seed: int = 0,
-) -> PagedBatch:
-    """Random inputs for sequences with the given new-token counts and context lengths
-    (seq_len includes the new tokens). Blocks are handed out in a scrambled order starting at
-    1 (block 0 is the scratch block padding writes into). pad_tokens are appended past
-    query_start_loc[-1] with slots in block 0; pad_seqs are appended with q_len 0, seq_len 0.
-    table_width and num_blocks (defaults: just enough) fix shapes, as the runner's
-    captured buffers do."""
+) -> PagedLayout:
+    """Block tables, slots and query starts for sequences with the given new-token counts and
+    context lengths (seq_len includes the new tokens). Blocks are handed out in a scrambled
+    order starting at 1 (block 0 is the scratch block padding writes into). pad_tokens are
+    appended past query_start_loc[-1] with slots in block 0; pad_seqs are appended with q_len
+    0, seq_len 0. table_width and num_blocks (defaults: just enough) fix shapes, as the
+    runner's captured buffers do. Shared by the paged and the MLA latent kernels' tests."""
     if len(q_lens) != len(seq_lens) or any(q > s for q, s in zip(q_lens, seq_lens, strict=True)):
         raise ValueError("need one seq_len >= q_len per sequence")
     rng = random.Random(seed)
@@ -1030,7 +1026,38 @@ def make_batch(
     for q_len in q_lens:
         starts.append(starts[-1] + q_len)
     starts += [starts[-1]] * pad_seqs
-    num_tokens = starts[-1] + pad_tokens
+    return PagedLayout(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor([*seq_lens, *[0] * pad_seqs], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        num_tokens=starts[-1] + pad_tokens,
+        num_blocks=num_blocks,
+    )
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+    table_width: int | None = None,
+    num_blocks: int | None = None,
+    seed: int = 0,
+) -> PagedBatch:
+    """Random q/k/v and cache for sequences laid out by `paged_layout` (same arguments)."""
+    layout = paged_layout(
+        q_lens, seq_lens, block_size=block_size, device=device, pad_tokens=pad_tokens,
+        pad_seqs=pad_seqs, table_width=table_width, num_blocks=num_blocks, seed=seed,
+    )  # fmt: skip
+    num_tokens = layout.num_tokens
 
     # Drawn on the device: a 30 GB cache drawn on the host would take minutes.
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -1038,16 +1065,16 @@ def make_batch(
     def randn(*shape: int) -> Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-    cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache_shape = (2, layout.num_blocks, block_size, num_kv_heads, head_dim)
     return PagedBatch(
         q=randn(num_tokens, num_q_heads, head_dim),
         k=randn(num_tokens, num_kv_heads, head_dim),
         v=randn(num_tokens, num_kv_heads, head_dim),
         kv_cache=randn(*cache_shape),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        seq_lens=torch.tensor([*seq_lens, *[0] * pad_seqs], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        slot_mapping=layout.slot_mapping,
+        block_tables=layout.block_tables,
+        seq_lens=layout.seq_lens,
+        query_start_loc=layout.query_start_loc,
         scale=1.0 / math.sqrt(head_dim),
     )
 
