@@ -30,7 +30,6 @@ tensors must be float32 or float16. `check()` compares with the reference; `benc
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import sys
 
@@ -47,6 +46,7 @@ from kernels_generated.configs import (
     ConfigTable,
     TargetConfigs,
     bucket_tokens,
+    tuning_provenance,
 )
 from kernels_generated.timing import graph_us, kernel_main
 from models.ops import add_rms_norm_fake, add_rms_norm_ref, rms_norm_fake, rms_norm_ref
@@ -346,7 +346,7 @@ def tune(
     if not torch.cuda.is_available() or INTERPRETED:
         raise RmsNormKernelError("tune() needs a CUDA device and compiled Triton")
     table = ConfigTable.load(CONFIG_FILE)
-    info = _provenance()
+    info = tuning_provenance()
     entries = []
     for num_rows, hidden in shapes:
         x = torch.randn(num_rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -373,15 +373,6 @@ def tune(
     config_table.cache_clear()
     config_for.cache_clear()
     return table
-
-
-def _provenance() -> dict:
-    return {
-        "device": torch.cuda.get_device_name(),
-        "dtype": "bfloat16",
-        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
-    }
 
 
 if __name__ == "__main__":

@@ -35,6 +35,22 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 TARGET_OF_DEVICE = {"cuda": "h100", "cpu": "cpu"}
 
 
+def tuning_provenance(dtype: str = "bfloat16") -> dict:
+    """What a tuned entry records of where it was tuned: this CUDA device, the dtype timed,
+    when, and the torch / triton versions."""
+    import datetime
+
+    import torch
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "dtype": dtype,
+        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+    }
+
+
 class ConfigFileError(ValueError):
     """A kernel config file is missing or malformed; the message names the file."""
 

@@ -32,7 +32,6 @@ float16. `check()` compares with the reference; `bench()` times it; `tune()` pic
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import sys
 
@@ -49,6 +48,7 @@ from kernels_generated.configs import (
     ConfigTable,
     TargetConfigs,
     bucket_tokens,
+    tuning_provenance,
 )
 from kernels_generated.timing import graph_us, kernel_main
 from models.ops import rotary_fake, rotary_ref
@@ -398,12 +398,7 @@ def tune(
     if not torch.cuda.is_available() or INTERPRETED:
         raise RotaryKernelError("tune() needs a CUDA device and compiled Triton")
     table = ConfigTable.load(CONFIG_FILE)
-    info = {
-        "device": torch.cuda.get_device_name(),
-        "dtype": "bfloat16",
-        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
-    }
+    info = tuning_provenance()
     entries = []
     for num_tokens, hq, hkv, head_dim in shapes:
         args = make_inputs(num_tokens, hq, hkv, head_dim)

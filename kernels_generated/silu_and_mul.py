@@ -23,7 +23,6 @@ BLOCK and num_warps per target and shape class {I, T bucketed} live in configs/s
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import sys
 
@@ -40,6 +39,7 @@ from kernels_generated.configs import (
     ConfigTable,
     TargetConfigs,
     bucket_tokens,
+    tuning_provenance,
 )
 from kernels_generated.timing import graph_us, kernel_main
 from models.ops import silu_and_mul_fake, silu_and_mul_ref
@@ -198,12 +198,7 @@ def tune(
     if not torch.cuda.is_available() or INTERPRETED:
         raise SiluAndMulKernelError("tune() needs a CUDA device and compiled Triton")
     table = ConfigTable.load(CONFIG_FILE)
-    info = {
-        "device": torch.cuda.get_device_name(),
-        "dtype": "bfloat16",
-        "tuned_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
-    }
+    info = tuning_provenance()
     entries = []
     for num_tokens, inter in shapes:
         x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
