@@ -43,7 +43,7 @@ _KERNEL_KINDS = (
 )
 
 
-def _kind(name: str) -> str:
+def kernel_kind(name: str) -> str:
     low = name.lower()
     for kind, keys in _KERNEL_KINDS:
         if any(k in low for k in keys):
@@ -83,7 +83,7 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
         # time of what it launched as its own, which would count those kernels twice.
         if us <= 0 or not is_device_event(e.key, getattr(e, "device_type", None)):
             continue
-        kinds[_kind(e.key)] += us
+        kinds[kernel_kind(e.key)] += us
         kernels.append((us, e.count / steps, e.key))
     kernels.sort(reverse=True)
     return {

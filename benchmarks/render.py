@@ -378,14 +378,14 @@ def _breakdown(r: dict) -> list[str]:
     if profiled:
         # By kind from the kernel rows themselves: results from 3fb7708 and before also
         # counted CPU-side ops (aten::mm, the profiler's step annotation) in their totals.
-        from benchmarks.breakdown import _kind, is_device_event
+        from benchmarks.breakdown import is_device_event, kernel_kind
 
         by_batch = []
         for x in profiled:
             by_kind: dict[str, float] = {}
             for row in x["kernels"]["top_kernels"]:
                 if is_device_event(row["name"]):
-                    kind = _kind(row["name"])
+                    kind = kernel_kind(row["name"])
                     by_kind[kind] = by_kind.get(kind, 0.0) + row["us_per_step"]
             by_batch.append(dict(sorted(by_kind.items(), key=lambda kv: -kv[1])))
         kinds = list(dict.fromkeys(k for by_kind in by_batch for k in by_kind))

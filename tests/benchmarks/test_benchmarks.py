@@ -147,15 +147,15 @@ def test_breakdown_end_to_end(tiny_model, tmp_path):
 
 
 def test_breakdown_kernel_kinds():
-    assert breakdown._kind("_paged_attention_kernel") == "attention"
-    assert breakdown._kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "GEMM"
-    assert breakdown._kind("void cublasLt::splitKreduce_kernel<32, 16, int>") == "GEMM"
-    assert breakdown._kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == (
+    assert breakdown.kernel_kind("_paged_attention_kernel") == "attention"
+    assert breakdown.kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "GEMM"
+    assert breakdown.kernel_kind("void cublasLt::splitKreduce_kernel<32, 16, int>") == "GEMM"
+    assert breakdown.kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == (
         "fused elementwise (Inductor)"
     )
-    assert breakdown._kind("_rotary_kernel") == "rotary"
-    assert breakdown._kind("Memcpy DtoD (Device -> Device)") == "copies"
-    assert breakdown._kind("something_else") == "other"
+    assert breakdown.kernel_kind("_rotary_kernel") == "rotary"
+    assert breakdown.kernel_kind("Memcpy DtoD (Device -> Device)") == "copies"
+    assert breakdown.kernel_kind("something_else") == "other"
 
 
 def test_kv_waste_within_one_partial_block(tiny_model, tmp_path):
