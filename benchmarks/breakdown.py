@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.common import add_engine_flags, engine_kwargs, engine_settings, random_prompts
 from benchmarks.results import write_result
+from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 
 def _timed(table: dict, name: str, fn):
@@ -171,7 +172,7 @@ def breakdown(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench breakdown", description=__doc__.splitlines()[0])
-    add_engine_flags(p)
+    add_engine_flags(p, max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)  # as latency
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)

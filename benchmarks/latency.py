@@ -46,6 +46,7 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.results import write_result
+from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
     from models.loader import ModelSource
@@ -345,7 +346,10 @@ def free_engine(llm, device: torch.device) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench latency", description=__doc__.splitlines()[0])
-    add_engine_flags(p, max_num_seqs=None)
+    # LLM's own default budget, as for bench throughput: this times the offline API, and a
+    # smaller budget prefills the batch over several steps, so the first-prefilled requests
+    # finish steps ahead and the last decode steps run part-empty.
+    add_engine_flags(p, max_num_seqs=None, max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--batch-sizes", default="1,64,256", help="comma-separated")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
