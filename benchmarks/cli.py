@@ -20,6 +20,7 @@ COMMANDS = {
     "moe": ("benchmarks.moe", "fused MoE kernel vs a per-expert loop; MoE model decode"),
     "mla": ("benchmarks.mla", "MLA absorbed kernel vs naive reference; KV bytes; DeepSeek decode"),
     "paged-attention": ("benchmarks.paged_attention", "the Triton kernel vs gather+SDPA, GB/s"),
+    "gemm": ("benchmarks.gemm", "decode-size GEMMs: cuBLAS vs the Triton skinny GEMM sweep"),
     "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
     "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
 }

@@ -1,0 +1,383 @@
+"""Decode-time GEMMs on CUDA: cuBLAS, cuBLASLt, a transposed weight, and the Triton skinny
+GEMM (kernels_generated/skinny_gemm.py) over a sweep of its configs.
+
+    python -m benchmarks gemm [--rows 1 2 4 ...] [--budget-s 230] [--write-configs PATH]
+
+y[M, N] = x[M, K] @ W[N, K]^T for the Llama-3-8B linear layers (qkv, o_proj, gate_up, down,
+lm_head) in bf16 at M = 1..256 rows. Every variant is replayed from a CUDA graph, as the engine
+replays decode: one graph holds many calls, round-robin over enough copies of the weight that
+the copies together are several times the 50 MB L2, so each call streams its weight from HBM as
+each layer does in the model (a single weight of 34-50 MB would otherwise sit in L2 between
+calls). The activation x is one tensor, L2-resident, as a layer's input is.
+
+Variants: `cublas` (torch.mm(x, W.t()), what F.linear and Inductor's extern mm run),
+`cublaslt` (the same under preferred_blas_library('cublaslt')), `mm_t` (torch.mm against the
+weight stored transposed, [K, N] contiguous) and `triton:<mode>/<BM>x<BN>x<BK>/s<split>/w<warps>/
+p<stages>` per config of the sweep. A Triton config must match cuBLAS's output (to bf16
+rounding) before and after its timing (the second check catches split-K counters left dirty).
+The sweep has a time budget; what it did not reach is recorded as such.
+
+Reported per (shape, M, variant): microseconds per call, TB/s (weight + x + y bytes) and
+TFLOP/s. --write-configs writes kernels_generated/configs/skinny_gemm.json's h100 section: per
+(N, K, M) the fastest Triton config where it beats cuBLAS by at least --min-speedup, else
+cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.results import DEFAULT_DIRECTORY, write_result
+
+SHAPES = {  # name: (N, K), Llama-3-8B
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PEAK_TB_S = 4.26  # H200 copy rate, measured
+PEAK_TFLOP_S = 784.0  # H200 bf16 GEMM, measured
+ROTATION_BYTES = 256 << 20  # weight copies per shape fill at least this (L2 is 50 MB)
+REPLAY_US = 1500.0  # calls per graph chosen so one replay takes about this long
+SMS = 132
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 7) -> float:
+    """Median microseconds per call of `calls`, round-robin, replayed from one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    probe = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(probe):
+        for call in calls:
+            call()
+    probe.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    probe.replay()
+    end.record()
+    end.synchronize()
+    rounds = max(1, round(REPLAY_US / max(start.elapsed_time(end) * 1e3, 1.0)))
+    del probe
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (rounds * len(calls)))
+    del graph
+    return sorted(samples)[len(samples) // 2]
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def triton_name(c: dict) -> str:
+    return (
+        f"triton:{c['mode']}/{c['block_m']}x{c['block_n']}x{c['block_k']}/s{c['split_k']}"
+        f"/w{c['num_warps']}/p{c['num_stages']}"
+    )
+
+
+def _tiles(rows: int) -> list[dict]:
+    """Launch configs (without split) worth trying at `rows` rows, best guesses first."""
+    out: list[dict] = []
+
+    def add(mode, bm, bn, bk, warps, stages):
+        out.append(
+            dict(mode=mode, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        )
+
+    if rows <= 16:
+        for bn, bk in ((32, 256), (16, 512), (64, 128), (32, 512), (16, 256), (64, 256), (32, 128)):
+            for stages in (4, 6):
+                add("swap", 16, bn, bk, 4, stages)
+        if rows <= 4:
+            bm = 1 << (rows - 1).bit_length()
+            for bn, bk in ((16, 256), (32, 128)):
+                add("fma", bm, bn, bk, 4, 4)
+    elif rows <= 64:
+        for bn, bk in ((64, 128), (64, 256), (128, 128), (32, 256)):
+            for stages in (3, 4):
+                add("swap", rows, bn, bk, 4, stages)
+        for bn, bk in ((64, 128), (128, 64), (128, 128)):
+            add("dot", rows, bn, bk, 4, 4)
+    else:
+        for bm, bn, bk, warps, stages in (
+            (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+            (64, 128, 64, 4, 4),
+            (64, 256, 64, 4, 3),
+            (128, 128, 64, 4, 4),
+            (128, 64, 64, 4, 4),
+        ):
+            add("dot", bm, bn, bk, warps, stages)
+        for bn, bk, warps in ((64, 64, 4), (128, 64, 8)):
+            add("swap", 128, bn, bk, warps, 3)
+    return out
+
+
+def candidates(n_size: int, k_size: int, rows: int) -> list[dict]:
+    """Every (tile, split) of the sweep for this cell: splits that leave each program at least
+    two K tiles and the grid under eight programs per SM."""
+    out = []
+    for tile in _tiles(rows):
+        tiles = math.ceil(n_size / tile["block_n"]) * math.ceil(rows / tile["block_m"])
+        for split in (1, 2, 4, 8):
+            if split > 1 and (k_size // split < 2 * tile["block_k"] or tiles * split > 8 * SMS):
+                continue
+            out.append({**tile, "split_k": split})
+    return out
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def _cell_bytes(n_size: int, k_size: int, rows: int) -> int:
+    return 2 * (n_size * k_size + rows * k_size + rows * n_size)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def run_cell(name: str, rows: int, weights, weights_t, deadline: float) -> dict:
+    from kernels_generated.skinny_gemm import skinny_gemm
+
+    n_size, k_size = SHAPES[name]
+    x = torch.randn(rows, k_size, device="cuda", dtype=torch.bfloat16)
+    moved, flops = _cell_bytes(n_size, k_size, rows), 2.0 * rows * n_size * k_size
+    want = torch.mm(x, weights[0].t())
+
+    def stats(us: float) -> dict:
+        return {
+            "us": round(us, 2),
+            "tb_s": round(moved / us / 1e6, 3),
+            "tflop_s": round(flops / us / 1e6, 2),
+        }
+
+    cell: dict = {"shape": name, "N": n_size, "K": k_size, "M": rows, "variants": {}}
+    variants = cell["variants"]
+    variants["cublas"] = stats(graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in weights]))
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        lt = graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in weights])
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    variants["cublaslt"] = stats(lt)
+    variants["mm_t"] = stats(graph_time_us([lambda w=w: torch.mm(x, w) for w in weights_t]))
+    skipped, failed = 0, []
+    for config in candidates(n_size, k_size, rows):
+        if time.monotonic() > deadline:
+            skipped += 1
+            continue
+        label = triton_name(config)
+        try:
+            err = _close(skinny_gemm(x, weights[0], **config), want)
+            if err > 2e-2:
+                failed.append({"variant": label, "rel_err": err})
+                continue
+            us = graph_time_us([lambda w=w, c=config: skinny_gemm(x, w, **c) for w in weights])
+            err_after = _close(skinny_gemm(x, weights[-1], **config), x @ weights[-1].t())
+        except Exception as exc:  # a config that does not compile or launch is data too
+            failed.append({"variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        if err_after > 2e-2:
+            failed.append({"variant": label, "rel_err_after_timing": err_after})
+            continue
+        variants[label] = {**stats(us), "config": config, "rel_err": round(err, 5)}
+    cell["skipped_over_budget"] = skipped
+    cell["failed"] = failed
+    triton = {k: v for k, v in variants.items() if k.startswith("triton")}
+    if triton:
+        best = min(triton, key=lambda k: triton[k]["us"])
+        cell["best_triton"] = best
+        cell["speedup_vs_cublas"] = round(variants["cublas"]["us"] / triton[best]["us"], 3)
+    return cell
+
+
+def _weights(n_size: int, k_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    copies = max(2, math.ceil(ROTATION_BYTES / (2 * n_size * k_size)))
+    scale = k_size**-0.5
+    ws = [
+        (torch.randn(n_size, k_size, device="cuda") * scale).to(torch.bfloat16)
+        for _ in range(copies)
+    ]
+    return ws, [w.t().contiguous() for w in ws]
+
+
+def precompile(cells: list[tuple[str, int]], deadline: float) -> dict:
+    """Compile every tile config of the sweep once, on a small input with the same
+    specialisation (N, K and strides multiples of 16, K split evenly), so that compile time
+    does not eat the first cells' share of the timing budget."""
+    from kernels_generated.skinny_gemm import skinny_gemm
+
+    tiles = {}
+    for name, m in cells:
+        for config in candidates(*SHAPES[name], m):
+            tiles.setdefault(triton_name({**config, "split_k": 1}), config)
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    t0, done, errors = time.monotonic(), 0, {}
+    for label, config in tiles.items():
+        if time.monotonic() > deadline:
+            break
+        try:
+            skinny_gemm(x, w, **{**config, "split_k": 1})
+            done += 1
+        except Exception as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"[:300]
+    torch.cuda.synchronize()
+    info = {"configs": len(tiles), "compiled": done, "seconds": round(time.monotonic() - t0, 1)}
+    print(f"precompiled {done}/{len(tiles)} tile configs in {info['seconds']} s", flush=True)
+    return {**info, "errors": errors}
+
+
+def sweep(shapes: list[str], rows: list[int], budget_s: float) -> tuple[list[dict], dict]:
+    cells = [(name, m) for name in shapes for m in rows]
+    compiled = precompile(cells, time.monotonic() + 0.5 * budget_s)
+    start = time.monotonic()
+    budget_s -= compiled["seconds"]
+    out = []
+    current, weights, weights_t = None, [], []
+    for i, (name, m) in enumerate(cells):
+        if name != current:
+            weights = weights_t = None
+            torch.cuda.empty_cache()
+            weights, weights_t = _weights(*SHAPES[name])
+            current = name
+        # Each cell may spend its share of the budget; the leftover of fast cells carries on.
+        deadline = start + budget_s * (i + 1) / len(cells)
+        t0 = time.monotonic()
+        try:
+            cell = run_cell(name, m, weights, weights_t, deadline)
+        except Exception as exc:  # keep the rest of the sweep; the JSON says what broke
+            print(f"{name} M={m}: {type(exc).__name__}: {exc}", flush=True)
+            out.append({"shape": name, "M": m, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
+        cell["seconds"] = round(time.monotonic() - t0, 2)
+        out.append(cell)
+        best = cell.get("best_triton", "-")
+        cub = cell["variants"]["cublas"]
+        print(
+            f"{name:8s} M={m:4d}  cublas {cub['us']:8.2f} us {cub['tb_s']:5.2f} TB/s"
+            f"  best {best} x{cell.get('speedup_vs_cublas', float('nan')):.3f}"
+            f"  ({cell['seconds']:.1f} s, {len(cell['failed'])} failed,"
+            f" {cell['skipped_over_budget']} skipped)",
+            flush=True,
+        )
+    return out, compiled
+
+
+def print_table(cells: list[dict]) -> None:
+    print(
+        f"\n{'shape':8s} {'M':>4s} | {'cublas us':>9s} {'TB/s':>5s} {'TF/s':>6s} | "
+        f"{'lt us':>7s} {'mm_t us':>7s} | {'best triton':46s} {'us':>8s} {'TB/s':>5s} | {'x':>5s}"
+    )
+    for c in cells:
+        if "error" in c:
+            continue
+        v = c["variants"]
+        cub, best = v["cublas"], c.get("best_triton")
+        t = v[best] if best else {"us": float("nan"), "tb_s": float("nan")}
+        print(
+            f"{c['shape']:8s} {c['M']:4d} | {cub['us']:9.2f} {cub['tb_s']:5.2f} "
+            f"{cub['tflop_s']:6.1f} | {v['cublaslt']['us']:7.2f} {v['mm_t']['us']:7.2f} | "
+            f"{best or '-':46s} {t['us']:8.2f} {t['tb_s']:5.2f} | "
+            f"{c.get('speedup_vs_cublas', float('nan')):5.2f}"
+        )
+
+
+def write_configs(cells: list[dict], path: str, min_speedup: float) -> None:
+    """The h100 section of the skinny GEMM's config table from this sweep."""
+    from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs, tuning_provenance
+
+    table = ConfigTable.load(path)
+    info = tuning_provenance()
+    entries = []
+    for c in cells:
+        if "error" in c:
+            continue
+        cublas_us = c["variants"]["cublas"]["us"]
+        best = c.get("best_triton")
+        key = {"N": c["N"], "K": c["K"], "M": c["M"]}
+        timing = {"cublas_us": cublas_us}
+        if best and c["speedup_vs_cublas"] >= min_speedup:
+            config = {"kernel": "triton", **c["variants"][best]["config"]}
+            timing["us"] = c["variants"][best]["us"]
+        else:
+            config = {"kernel": "cublas"}
+            if best:
+                timing["best_triton_us"] = c["variants"][best]["us"]
+        entries.append(ConfigEntry(key, config, {**info, **timing}))
+    table.targets["h100"] = TargetConfigs(
+        True,
+        entries,
+        note=f"python -m benchmarks gemm --write-configs: Triton where >= x{min_speedup} cuBLAS",
+    )
+    print(f"wrote {table.save(path)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    p.add_argument("--budget-s", type=float, default=230.0, help="for the Triton sweep")
+    p.add_argument("--write-configs", metavar="PATH", help="write the tuned table here")
+    p.add_argument("--min-speedup", type=float, default=1.05)
+    p.add_argument("--list", action="store_true", help="print the sweep's configs per cell")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, m in itertools.product(args.shapes, args.rows):
+            configs = candidates(*SHAPES[name], m)
+            print(f"{name} M={m}: {len(configs)} configs")
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gemm needs a CUDA device")
+    torch.manual_seed(0)
+    cells, compiled = sweep(args.shapes, args.rows, args.budget_s)
+    print_table(cells)
+    payload = {
+        "dtype": "bfloat16",
+        "shapes": {k: {"N": n, "K": kk} for k, (n, kk) in SHAPES.items() if k in args.shapes},
+        "peak_tb_s": PEAK_TB_S,
+        "peak_tflop_s": PEAK_TFLOP_S,
+        "bytes_counted": "weight + x + y, bf16",
+        "timing": "CUDA-graph replay, round-robin over weight copies >= 256 MB in all, median "
+        "of 7 replays of ~1.5 ms",
+        "budget_s": args.budget_s,
+        "precompile": compiled,
+        "cells": cells,
+    }
+    print(f"wrote {write_result('gemm', payload, directory=args.out)}")
+    if args.write_configs:
+        write_configs(cells, args.write_configs, args.min_speedup)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

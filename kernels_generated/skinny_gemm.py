@@ -1,0 +1,339 @@
+"""GEMMs with few rows (decode-time linear layers) in Triton: y[M, N] = x[M, K] @ w[N, K]^T.
+
+Lowers `torch.nn.functional.linear(x, w)` without bias (reference: `linear_ref`, which is
+F.linear) where M is the token count of a decode step: 1 to 256 rows against a weight of
+millions of elements. At small M the GEMM is a stream of the weight through the SMs, bound by
+HBM bandwidth; cuBLAS's GEMV/split-K kernels on the H200 read the Llama-3-8B QKV and o_proj
+weights at only 3.0-3.1 TB/s of the 4.26 TB/s copy rate, and pay a second launch for the
+split-K reduction. This kernel is one launch whatever the split:
+
+- Grid `(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))`. A program owns BLOCK_N weight rows and
+  one K-slice of K / SPLIT_K, streams its weight tile by tile (`num_stages` deep software
+  pipeline) and accumulates in float32.
+- MODE picks the inner product. 0: the usual `x @ w^T` on tensor cores, tile [BLOCK_M,
+  BLOCK_N]. 1: the same with A and B swapped, `w @ x^T`, tile [BLOCK_N, BLOCK_M]: a tensor-core
+  instruction is at least 16 (mma) or 64 (wgmma) long along its first dimension, which the
+  weight's N fills and a handful of tokens does not. 2: no tensor cores, a broadcast multiply
+  and a sum over K, for M <= 4 where even a 16-row tile is mostly padding.
+- SPLIT_K > 1 (a runtime argument: no recompile per split): each program writes its float32
+  partial tile to a workspace and counts itself in on a per-tile counter; the last of the
+  tile's programs to arrive sums the partials in split order (deterministic, whoever arrives
+  last) and writes the output, then resets the counter for the next call, so CUDA-graph
+  replays need no memset. The counters live in one zeroed int32 buffer per device, created on
+  the first call: that call must not be inside a CUDA-graph capture (the engine's warm-up runs
+  first; `SkinnyGemmError` says so otherwise).
+
+Which kernel and config runs is chosen per call from configs/skinny_gemm.json, keyed by the
+weight's exact (N, K) and the row count bucketed to a power of two (M <= 256), as measured on
+the H200 by `python -m benchmarks gemm --write-configs`; a shape without an entry, a bucket where
+cuBLAS won, more than 256 rows, float32 or a CPU tensor outside the interpreter run
+F.linear (cuBLAS). Inside a CUDA graph the choice is made once, at capture.
+
+On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
+triton is first imported), float32/float16 only (the interpreter computes bf16 wrongly).
+`check()` compares with the reference; `python -m benchmarks gemm` times it against cuBLAS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = CONFIG_DIR / "skinny_gemm.json"
+MAX_ROWS = 256  # above this the GEMM is compute-bound and cuBLAS's tiles are right
+MAX_TILES = 1 << 16  # split-K counters per device: cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M) tiles
+MODES = {"dot": 0, "swap": 1, "fma": 2}
+
+
+class SkinnyGemmError(RuntimeError):
+    """The skinny GEMM kernel cannot run these inputs here; the message says why."""
+
+
+@triton.jit(do_not_specialize=["M", "split_k", "k_per_split"])
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # [N, K], unit stride along K
+    out_ptr,  # [M, N], unit stride along N
+    ws_ptr,  # [split_k, M, N] float32 partials (unused when split_k == 1)
+    counter_ptr,  # [>= tiles] int32, zero between calls
+    M,
+    N,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    split_k,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,  # 0 dot [BM, BN], 1 swapped dot [BN, BM], 2 fma [BN, BM]
+    EVEN_K: tl.constexpr,  # K == split_k * k_per_split: no K mask
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            in_k = (k_start + k + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        if MODE == 0:
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif MODE == 1:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc += tl.sum(w[:, None, :].to(tl.float32) * x[None, :, :].to(tl.float32), axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    # Output and workspace offsets in the accumulator's own layout.
+    if MODE == 0:
+        o_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        p_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        o_mask = mask_m[:, None] & mask_n[None, :]
+    else:
+        o_offs = offs_n[:, None] + offs_m[None, :].to(tl.int64) * stride_om
+        p_offs = offs_n[:, None] + offs_m[None, :].to(tl.int64) * N
+        o_mask = mask_n[:, None] & mask_m[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if split_k == 1:
+        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
+    else:
+        plane = M.to(tl.int64) * N
+        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
+        # Every thread's partial is stored before the one thread that does the atomic
+        # publishes it (release at GPU scope); the last arrival acquires the others'.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, split_k):
+                # .cg: read from L2, where the other SMs' partials are, never a stale L1 line.
+                total += tl.load(
+                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0)
+
+
+INTERPRETED = not isinstance(_skinny_gemm_kernel, JITFunction)
+"""True when triton was imported with TRITON_INTERPRET=1: the kernel then runs on CPU tensors."""
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@functools.cache
+def _counters(device: torch.device) -> Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise SkinnyGemmError(
+            "the first skinny GEMM on a device ran inside a CUDA-graph capture, where its "
+            "split-K counters cannot be allocated: run one eager call (a warm-up) first"
+        )
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
+def _validate(x: Tensor, w: Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise SkinnyGemmError(f"want x [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise SkinnyGemmError(f"x is {x.dtype} and w {w.dtype}; the kernel wants one dtype")
+    if x.device.type == "cpu" and not INTERPRETED:
+        raise SkinnyGemmError(
+            "the Triton skinny GEMM runs on CPU tensors only under the interpreter: set "
+            "TRITON_INTERPRET=1 before triton is first imported, or leave the pass off on cpu"
+        )
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        raise SkinnyGemmError(
+            "the Triton interpreter computes bfloat16 wrongly; use float32 or float16 on CPU"
+        )
+
+
+def skinny_gemm(
+    x: Tensor,
+    w: Tensor,
+    *,
+    mode: str = "swap",
+    block_m: int = 16,
+    block_n: int = 32,
+    block_k: int = 256,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> Tensor:
+    """x [M, K] @ w [N, K]^T with one explicit config (the tuned choice is `linear`'s)."""
+    _validate(x, w)
+    num_rows, k_size = x.shape
+    n_size = w.shape[0]
+    out = torch.empty(num_rows, n_size, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    if mode == "fma":
+        block_m = triton.next_power_of_2(num_rows) if num_rows < block_m else block_m
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    split_k = max(1, min(split_k, triton.cdiv(k_size, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k_size, split_k), block_k) * block_k
+    split_k = triton.cdiv(k_size, k_per_split)  # no empty trailing slices
+    grid = (triton.cdiv(n_size, block_n), split_k, triton.cdiv(num_rows, block_m))
+    counters = _counters(x.device)
+    if split_k > 1:
+        if grid[0] * grid[2] > MAX_TILES:
+            raise SkinnyGemmError(f"{grid[0] * grid[2]} tiles exceed the {MAX_TILES} counters")
+        workspace = torch.empty(split_k, num_rows, n_size, dtype=torch.float32, device=x.device)
+    else:
+        workspace = out
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _skinny_gemm_kernel[grid](
+            x,
+            w,
+            out,
+            workspace,
+            counters,
+            num_rows,
+            n_size,
+            k_size,
+            k_per_split,
+            split_k,
+            x.stride(0),
+            w.stride(0),
+            out.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            MODE=MODES[mode],
+            EVEN_K=k_per_split * split_k == k_size,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- tuned choice
+
+
+@functools.cache
+def config_table() -> ConfigTable:
+    return ConfigTable.load(CONFIG_FILE)
+
+
+@functools.cache
+def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> dict | None:
+    """The tuned kernel config for this weight and row bucket, or None for cuBLAS: only
+    entries of exactly this (N, K) count (a config tuned for another weight says nothing about
+    whether cuBLAS loses here), the nearest M bucket among them."""
+    section = config_table().targets.get(target)
+    entries = [
+        e
+        for e in (section.entries if section else [])
+        if e.key["N"] == n_size and e.key["K"] == k_size
+    ]
+    if not entries:
+        return None
+    entry = min(entries, key=lambda e: abs(e.key["M"].bit_length() - rows_bucket.bit_length()))
+    config = dict(entry.config)
+    return None if config.pop("kernel") == "cublas" else config
+
+
+def linear_ref(x: Tensor, w: Tensor) -> Tensor:
+    return F.linear(x, w)
+
+
+def choose(x: Tensor, w: Tensor) -> dict | None:
+    """The config `linear` runs x @ w^T with, or None for cuBLAS (F.linear). Under the
+    interpreter, CPU tensors in float32/float16 read the h100 table, so that tests on CPU run
+    the kernel the GPU would."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= MAX_ROWS:
+        return None
+    if x.device.type == "cuda" and not INTERPRETED:
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return None
+    elif not (INTERPRETED and x.device.type == "cpu" and x.dtype != torch.bfloat16):
+        return None
+    return config_for("h100", w.shape[0], w.shape[1], bucket_tokens(rows))
+
+
+# The op the skinny_gemm pass swaps in for a bias-free F.linear: opaque to Dynamo and Inductor
+# (Inductor would otherwise lower the mm to cuBLAS again), one call in the CUDA graph.
+@torch.library.custom_op("ce_kernels::skinny_linear", mutates_args=())
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w) through the tuned skinny GEMM where it beat cuBLAS, else cuBLAS."""
+    config = choose(x, w)
+    if config is None:
+        return F.linear(x, w)
+    out = skinny_gemm(x.reshape(-1, x.shape[-1]), w, **config)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+@linear.register_fake
+def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check(dtype: torch.dtype | None = None) -> float:
+    """Compare every mode (and a split) with the reference on this machine's device; return
+    the largest error relative to the output's magnitude. CPU: tiny shapes, interpreter."""
+    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    shapes = ((1, 48, 80), (5, 40, 96)) if device == "cpu" else ((1, 6144, 4096), (64, 4096, 14336))
+    gen = torch.Generator(device=device).manual_seed(0)
+    worst = 0.0
+    for rows, n_size, k_size in shapes:
+        x = torch.randn(rows, k_size, generator=gen, device=device).to(dtype)
+        w = torch.randn(n_size, k_size, generator=gen, device=device).to(dtype) / k_size**0.5
+        want = linear_ref(x.float(), w.float())
+        small = device == "cpu"
+        for mode, split in (("swap", 1), ("swap", 3), ("dot", 2), ("fma", 1)):
+            got = skinny_gemm(
+                x,
+                w,
+                mode=mode,
+                block_m=16,
+                block_n=16 if small else 64,
+                block_k=16 if small else 128,
+                split_k=split,
+            )
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            worst = max(worst, err)
+    return worst
+
+
+if __name__ == "__main__":
+    print(f"check: max relative error {check()}")
+    sys.exit(0)
