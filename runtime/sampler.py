@@ -39,6 +39,8 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 
+ARGMAX_KERNEL_MAX_VOCAB = 2**21  # kernels_generated.argmax's limit (1024 pieces of 2048)
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -182,6 +184,17 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [S, K] float32; row i uses its own first k
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """First index of each row's maximum. On CUDA a two-launch Triton kernel
+    (kernels_generated/argmax.py): torch's reduction gives a row to one thread block, 36 us
+    for a batch-1 row of Llama-3's 128k vocabulary on the H200."""
+    if logits.is_cuda and logits.shape[-1] <= ARGMAX_KERNEL_MAX_VOCAB:
+        from kernels_generated.argmax import argmax_triton
+
+        return argmax_triton(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Stateless: all per-request state lives in the SamplingBatch."""
 
@@ -193,7 +206,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
         if batch.all_greedy and not batch.needs_processing:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_argmax(logits)
         else:
             token_ids = self._choose(logits.float().clone(), batch)
         return self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
@@ -203,7 +216,7 @@ class Sampler:
         apply_penalties(logits, batch)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = greedy_argmax(logits)
         if batch.all_greedy:
             return greedy_ids
 

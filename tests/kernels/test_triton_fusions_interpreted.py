@@ -13,7 +13,12 @@ from pathlib import Path
 from passes.testing import run_interpreted
 
 HERE = Path(__file__).resolve().parent
-FILES = ("test_add_rms_norm.py", "test_rotary.py", "test_silu_and_mul_triton.py")
+FILES = (
+    "test_add_rms_norm.py",
+    "test_rotary.py",
+    "test_silu_and_mul_triton.py",
+    "test_argmax.py",
+)
 
 
 def test_interpreted_cases_in_one_child():
