@@ -103,7 +103,7 @@ def triton_name(c: dict) -> str:
 
 
 def _tiles(rows: int) -> list[dict]:
-    """Launch configs (without split) worth trying at `rows` rows, best guesses first."""
+    """Launch configs (without split) worth trying at `rows` rows."""
     out: list[dict] = []
 
     def add(mode, bm, bn, bk, warps, stages):
@@ -112,44 +112,52 @@ def _tiles(rows: int) -> list[dict]:
         )
 
     if rows <= 16:
-        for bn, bk in ((32, 256), (16, 512), (64, 128), (32, 512), (16, 256), (64, 256), (32, 128)):
-            for stages in (4, 6):
-                add("swap", 16, bn, bk, 4, stages)
+        for bn, bk, warps, stages in (
+            (32, 256, 4, 4),
+            (64, 128, 4, 4),
+            (64, 256, 4, 4),
+            (16, 512, 4, 4),
+            (32, 512, 4, 4),
+            (128, 128, 4, 4),
+            (64, 256, 4, 6),
+            (32, 256, 4, 6),
+            (128, 128, 8, 4),
+        ):
+            add("swap", 16, bn, bk, warps, stages)
         if rows <= 4:
-            bm = 1 << (rows - 1).bit_length()
-            for bn, bk in ((16, 256), (32, 128)):
-                add("fma", bm, bn, bk, 4, 4)
+            add("fma", 1 << (rows - 1).bit_length(), 16, 256, 4, 4)
     elif rows <= 64:
-        for bn, bk in ((64, 128), (64, 256), (128, 128), (32, 256)):
-            for stages in (3, 4):
-                add("swap", rows, bn, bk, 4, stages)
-        for bn, bk in ((64, 128), (128, 64), (128, 128)):
+        for bn, bk, stages in ((64, 128, 4), (64, 256, 3), (128, 128, 3), (128, 64, 4)):
+            add("swap", rows, bn, bk, 4, stages)
+        for bn, bk in ((128, 128), (64, 128)):
             add("dot", rows, bn, bk, 4, 4)
     else:
         for bm, bn, bk, warps, stages in (
             (128, 128, 64, 8, 3),
             (128, 256, 64, 8, 3),
             (64, 128, 64, 4, 4),
-            (64, 256, 64, 4, 3),
             (128, 128, 64, 4, 4),
-            (128, 64, 64, 4, 4),
         ):
             add("dot", bm, bn, bk, warps, stages)
-        for bn, bk, warps in ((64, 64, 4), (128, 64, 8)):
-            add("swap", 128, bn, bk, warps, 3)
+        for bm, bn in ((128, 128), (64, 128)):
+            add("swap", bm, bn, 64, 8, 3)
     return out
 
 
 def candidates(n_size: int, k_size: int, rows: int) -> list[dict]:
     """Every (tile, split) of the sweep for this cell: splits that leave each program at least
-    two K tiles and the grid under eight programs per SM."""
+    two K tiles and the grid under eight programs per SM; grids nearest two programs per SM
+    first, so that a cell cut short by the budget has timed the likeliest winners."""
     out = []
     for tile in _tiles(rows):
         tiles = math.ceil(n_size / tile["block_n"]) * math.ceil(rows / tile["block_m"])
         for split in (1, 2, 4, 8):
             if split > 1 and (k_size // split < 2 * tile["block_k"] or tiles * split > 8 * SMS):
                 continue
-            out.append({**tile, "split_k": split})
+            out.append({**tile, "split_k": split, "_programs": tiles * split})
+    out.sort(key=lambda c: abs(math.log2(c["_programs"] / (2 * SMS))))
+    for c in out:
+        del c["_programs"]
     return out
 
 

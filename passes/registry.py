@@ -49,3 +49,4 @@ def load_all() -> None:
     import passes.rotary_triton  # noqa: F401
     import passes.silu_and_mul_helion  # noqa: F401
     import passes.silu_and_mul_triton  # noqa: F401
+    import passes.skinny_gemm  # noqa: F401

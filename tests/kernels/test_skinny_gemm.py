@@ -1,0 +1,216 @@
+"""The Triton skinny GEMM against F.linear (`linear_ref`), its per-call choice from the tuned
+table, and the op's fake.
+
+The CPU kernel cases (marked interpreted_child) run in one TRITON_INTERPRET=1 child that
+`test_interpreted_cases_in_one_child` starts, together with the skinny_gemm pass's numerics
+case (tests/passes/test_skinny_gemm_pass.py); GPU cases: the tuned configs at the Llama-3-8B
+shapes in bf16, and CUDA-graph replay of a split-K launch (its counters must reset)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels_generated import skinny_gemm as k
+from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+
+interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or k.INTERPRETED,
+    reason="needs CUDA (and compiled, not interpreted, Triton)",
+)
+HERE = Path(__file__).resolve().parent
+
+
+def _inputs(rows: int, n_size: int, k_size: int, dtype: torch.dtype, device: str = "cpu"):
+    gen = torch.Generator(device=device).manual_seed(rows * 1000 + n_size + k_size)
+    x = torch.randn(rows, k_size, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n_size, k_size, generator=gen, device=device) / k_size**0.5).to(dtype)
+    return x, w
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def table_of(entries: dict[tuple[int, int, int], dict]) -> ConfigTable:
+    """An in-memory config table: {(N, K, M): config} for target h100."""
+    made = [ConfigEntry({"N": n, "K": kk, "M": m}, c) for (n, kk, m), c in entries.items()]
+    return ConfigTable("skinny_gemm", ("N", "K", "M"), {"kernel": "cublas"}, {
+        "h100": TargetConfigs(True, made)
+    })  # fmt: skip
+
+
+@pytest.fixture
+def use_table(monkeypatch):
+    """Swap the tuned table for one the test writes; the lookups' caches are cleared."""
+
+    def install(table: ConfigTable) -> None:
+        monkeypatch.setattr(k, "config_table", lambda: table)
+        k.config_for.cache_clear()
+
+    yield install
+    k.config_for.cache_clear()
+
+
+# --------------------------------------------------------------------------- interpreted kernel
+
+# (mode, block_m, block_n, block_k, split): every inner product, a split that divides K, one that
+# does not (masked K tail), a block_n that leaves a partial N tile.
+CONFIGS = {
+    "swap": ("swap", 16, 16, 16, 1),
+    "swap_split3": ("swap", 16, 32, 16, 3),
+    "dot_split2": ("dot", 16, 16, 32, 2),
+    "fma": ("fma", 4, 16, 32, 1),
+    "fma_split2": ("fma", 2, 16, 16, 2),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n_size,k_size", [(1, 40, 80), (3, 48, 72), (17, 24, 64)])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_interpreted_matches_reference(name, rows, n_size, k_size, dtype):
+    mode, bm, bn, bk, split = CONFIGS[name]
+    x, w = _inputs(rows, n_size, k_size, dtype)
+    got = k.skinny_gemm(x, w, mode=mode, block_m=bm, block_n=bn, block_k=bk, split_k=split)
+    want = k.linear_ref(x.float(), w.float())
+    assert got.dtype == dtype and got.shape == (rows, n_size)
+    torch.testing.assert_close(
+        got.float(), want, rtol=0, atol=(1e-5 if dtype == torch.float32 else 2e-3)
+    )
+
+
+@interpreted
+def test_interpreted_split_counters_reset_between_calls():
+    # The last program of a tile zeroes its counter: a second call must sum afresh.
+    x, w = _inputs(2, 32, 96, torch.float32)
+    first = k.skinny_gemm(x, w, mode="swap", block_m=16, block_n=16, block_k=16, split_k=3)
+    second = k.skinny_gemm(x, w, mode="swap", block_m=16, block_n=16, block_k=16, split_k=3)
+    assert torch.equal(first, second)
+    assert int(k._counters(x.device).abs().sum()) == 0
+
+
+@interpreted
+def test_interpreted_op_dispatches_by_table(use_table, monkeypatch):
+    swap = {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16, "block_k": 16,
+            "split_k": 2, "num_warps": 4, "num_stages": 2}  # fmt: skip
+    use_table(table_of({(24, 32, 1): swap, (24, 32, 16): {"kernel": "cublas"}}))
+    launched = []
+    real = k.skinny_gemm
+    monkeypatch.setattr(k, "skinny_gemm", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    for rows, runs_kernel in ((1, True), (2, True), (9, False), (300, False)):
+        x, w = _inputs(rows, 24, 32, torch.float16)
+        launched.clear()
+        got = k.linear(x, w)
+        torch.testing.assert_close(
+            got.float(), k.linear_ref(x.float(), w.float()), rtol=0, atol=2e-3
+        )
+        assert bool(launched) == runs_kernel, rows
+    x, w = _inputs(1, 40, 32, torch.float16)  # a weight the table does not know: cuBLAS
+    launched.clear()
+    k.linear(x, w)
+    assert not launched
+
+
+@pytest.mark.parametrize("mode", ["swap", "dot", "fma"])
+def test_parent_process_refuses_cpu_tensors(mode):
+    if k.INTERPRETED:
+        pytest.skip("the interpreter runs CPU tensors")
+    x, w = _inputs(1, 16, 16, torch.float32)
+    with pytest.raises(k.SkinnyGemmError, match="TRITON_INTERPRET"):
+        k.skinny_gemm(x, w, mode=mode)
+    # The op never launches it there: F.linear.
+    torch.testing.assert_close(k.linear(x, w), k.linear_ref(x, w))
+
+
+# --------------------------------------------------------------------------- the tuned choice
+
+
+def test_config_for_needs_exact_weight_and_takes_nearest_bucket(use_table):
+    tri = {"kernel": "triton", "mode": "swap", "block_n": 64}
+    use_table(table_of({(6144, 4096, 1): tri, (6144, 4096, 64): {"kernel": "cublas"},
+                        (4096, 4096, 1): {**tri, "block_n": 32}}))  # fmt: skip
+    assert k.config_for("h100", 6144, 4096, 1) == {"mode": "swap", "block_n": 64}
+    assert k.config_for("h100", 6144, 4096, 4) == {"mode": "swap", "block_n": 64}
+    assert k.config_for("h100", 6144, 4096, 32) is None  # nearer 64, where cuBLAS won
+    assert k.config_for("h100", 4096, 4096, 1) == {"mode": "swap", "block_n": 32}
+    assert k.config_for("h100", 6144, 8192, 1) is None  # unknown K
+    assert k.config_for("cpu", 6144, 4096, 1) is None
+
+
+def test_shipped_table_loads_with_valid_configs():
+    import inspect
+
+    table = ConfigTable.load(k.CONFIG_FILE)
+    assert table.key_names == ("N", "K", "M") and table.default == {"kernel": "cublas"}
+    params = set(inspect.signature(k.skinny_gemm).parameters) - {"x", "w"}
+    for entry in table.targets["h100"].entries:
+        config = dict(entry.config)
+        assert config.pop("kernel") in ("triton", "cublas")
+        assert set(config) <= params, entry.key
+        assert config.get("mode", "swap") in k.MODES
+
+
+def test_fake_gives_the_linear_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.ops.ce_kernels.skinny_linear(torch.empty(7, 32), torch.empty(48, 32))
+    assert out.shape == (7, 48) and out.dtype == torch.float32
+
+
+def test_cpu_kernel_cases_in_one_child():
+    if k.INTERPRETED:
+        pytest.skip("this is the child")
+    from passes.testing import run_interpreted
+
+    pass_test = HERE.parent / "passes" / "test_skinny_gemm_pass.py"
+    child = run_interpreted(Path(__file__), "TRITON_INTERPRET", str(pass_test), "-k", "interpreted")
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
+    summary = child.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, child.stdout[-2000:]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _tuned_triton_cells() -> list[tuple[dict, dict]]:
+    table = ConfigTable.load(k.CONFIG_FILE)
+    section = table.targets.get("h100")
+    cells = []
+    for entry in section.entries if section else []:
+        config = dict(entry.config)
+        if config.pop("kernel") == "triton":
+            cells.append((entry.key, config))
+    return cells
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tuned_configs_match_cublas():
+    cells = _tuned_triton_cells()
+    if not cells:
+        pytest.skip("no Triton entry in the h100 table: cuBLAS everywhere")
+    for key, config in cells:
+        x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
+        assert _rel(k.skinny_gemm(x, w, **config), k.linear_ref(x, w)) < 1e-2, key
+        assert _rel(k.linear(x, w), k.linear_ref(x, w)) < 1e-2, key
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_split_k_graph_replay_is_deterministic():
+    x, w = _inputs(4, 4096, 14336, torch.bfloat16, "cuda")
+    config = dict(mode="swap", block_m=16, block_n=64, block_k=128, split_k=7)
+    want = k.skinny_gemm(x, w, **config)  # eager first: allocates the counters
+    assert _rel(want, k.linear_ref(x, w)) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = k.skinny_gemm(x, w, **config)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
