@@ -15,17 +15,23 @@ packed batch that mixes prefill chunks and decode tokens:
 - Softmax online in float32, in base 2 (scale folded with log2(e)).
 - Padding: tokens at index >= query_start_loc[-1] belong to no sequence and come out zero;
   padding sequences (q_len 0, seq_len 0) own no token.
-- Split-KV for long contexts at small batch: grid `(T, Hkv, S)`, each split takes a contiguous
-  share of the context (computed in the kernel from seq_len) and writes a partial (max, sum,
-  unnormalised acc) to a float32 workspace; a reduce kernel combines the S partials. Chosen from
-  shapes only: when T * Hkv programs would leave SMs idle.
+- Split-KV for long contexts at small batch: grid `(T, Hkv, S)`, S chosen from shapes only
+  (when T * Hkv programs would leave SMs idle; the block table's width bounds the context).
+  The kernel shares a sequence's keys among min(S, keys / MIN_SPLIT_KEYS) splits, computed
+  from seq_len, so a short sequence in a wide table takes one split and the rest return at
+  once. A lone split writes the output; otherwise each writes a partial (max, sum,
+  unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
+  counter per (token, KV head), zeroed again by that program) combines them: no second
+  kernel, no memset, CUDA-graph safe.
 
 The KV write is fused: each token's program (the first split's) stores its own K and V at
 its `slot_mapping` slot, and keys of the current step are read from the k/v inputs rather than
 the cache (row `query_start + pos - context_len`), so no program reads what another program of
 the same launch writes. Keys before `context_len` were written by earlier launches. Padding
 tokens write into block 0, the runtime's scratch. (It replaced two `index_copy_` kernels per
-layer: 140 / 184 / 280 us a step at batch 1 / 64 / 256 on the H200.)
+layer: 140 / 184 / 280 us a step at batch 1 / 64 / 256 on the H200.) Cached and new keys run
+in two loops (`_attend_keys`): one loop loading from both sources had the software pipeline
+stage four tiles a step instead of two.
 
 Query-tiled prefill variant (`tiled=True`; chosen by shapes, COMPILE_ENGINE_TILED_PREFILL=0
 switches the automatic choice off). The single-token kernel re-reads a prefill chunk's keys
@@ -75,18 +81,32 @@ from models.ops import paged_attention_fake, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
-_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 64
 _CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed value keeps the choice deterministic
 
-# One config per device type. CUDA: best of BLOCK_N {32, 64, 128} x warps {2, 4, 8} x stages
-# {2, 3, 4} on the H200 (bf16, Llama-3-8B heads, block 16) at the engine's decode shapes: batch
-# 256 with contexts 40-160 and 513-768, batch 64 with 40-160 (48 / 204 / 16.5 us, against 72 /
-# 244 / 22.5 us for the earlier 64 / 4 / 3, which had been tuned at contexts of 4k and 32k).
-_CONFIGS = {
-    "cuda": {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2},
-    "cpu": {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
+# Decode configs by launch size: (least tokens, config), the last that fits applies. CUDA,
+# from sweeps on the H200 (bf16, Llama-3-8B heads, block 16; scripts/device/pa_sweep.py and
+# pa_decode_sweep.py): BLOCK_N 32 / 2 warps / 2 stages at 128+ tokens (batch 256, contexts
+# 32-160 / 513-768: 45 / 205 us), 32 / 4 / 2 from 17 tokens (batch 64: 15.0 us at contexts
+# 40-160, 316 at 4k, 2,450 at 32k, against 16.4 / 333 / 2,583 for 32 / 2 / 2) and 64 / 4 /
+# 3 below, where T x Hkv programs leave SMs idle and split-KV runs (batch 1, context 32k: 63
+# us against 85). Measured with both key sources in one loop; see _attend_keys.
+# MIN_SPLIT_KEYS: 64 against 256 took batch 16, contexts 200-400, from 19.6 to 15.1 us.
+# Programs per several KV heads (block-diagonal q, 2 or 4 heads) were 10-60% slower at every
+# shape swept, so a program owns one KV head.
+_CONFIGS: dict[str, list[tuple[int, dict]]] = {
+    "cuda": [
+        (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "MIN_SPLIT_KEYS": 64}),
+        (17, {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+        (128, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+    ],
+    "cpu": [(1, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "MIN_SPLIT_KEYS": 16})],
 }
+# Split-KV's partials are combined by the last split of a (token, KV head) to finish (an
+# atomic counter) rather than by a second kernel: batch 1, context 100 took 10.3 us against
+# 12.9 with the reduce kernel. The combine loads COMBINE_S splits at a time.
+_FUSED_REDUCE = True
+_COMBINE_S = 8
 
 
 # The query-tiled prefill variant: ROWS dot rows a program (BLOCK_M query tokens x the group
@@ -111,92 +131,142 @@ class PagedAttentionKernelError(RuntimeError):
 
 
 @triton.jit
-def _load_kv_tile(
-    pos,  # [BLOCK_N] key positions
-    valid,  # [BLOCK_N] positions below the program's key bound
-    context_len,
-    new_row0,
-    table_row,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_new_ptr,
-    v_new_ptr,
-    head_offset,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_kt,
-    stride_vt,
-    KV_BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    COMPUTE_F32: tl.constexpr,
-):
-    """K and V [BLOCK_N, D] at `pos` (zero where not valid). Keys before `context_len` come
-    from the cache (earlier steps wrote them); the sequence's keys of this step come from the
-    k/v inputs, row new_row0 + (pos - context_len), because the programs that write them to
-    the cache run in this same launch."""
-    cached = valid & (pos < context_len)
-    new = valid & (pos >= context_len)
-    offs_d = tl.arange(0, HEAD_DIM)[None, :]
-    block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
-    row = block * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
-    kv_offsets = row[:, None] + head_offset + offs_d  # [BLOCK_N, D]
-    new_rows = (new_row0 + pos - context_len).to(tl.int64)
-    k = tl.load(k_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
-    k += tl.load(k_new_ptr + new_rows[:, None] * stride_kt + offs_d, mask=new[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=cached[:, None], other=0.0)
-    v += tl.load(v_new_ptr + new_rows[:, None] * stride_vt + offs_d, mask=new[:, None], other=0.0)
-    if COMPUTE_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
-
-
-@triton.jit
 def _attend_tile(
-    q,  # [BLOCK_G, D]
-    m_i,  # [BLOCK_G] running max (base 2)
-    l_i,  # [BLOCK_G] running sum
-    acc,  # [BLOCK_G, D] float32, unnormalised
+    q,  # [ROWS, D]
+    m_i,  # [ROWS] running max (base 2)
+    l_i,  # [ROWS] running sum
+    acc,  # [ROWS, D] float32, unnormalised
     start,
-    key_hi,
+    hi,
+    row_last,  # [ROWS] last key position each row sees (CAUSAL only)
     context_len,
     new_row0,
     table_row,
-    k_cache_ptr,
+    k_cache_ptr,  # offset to the program's KV head
     v_cache_ptr,
-    k_new_ptr,
+    k_new_ptr,  # offset to the program's KV head
     v_new_ptr,
-    head_offset,
     stride_cache_block,
     stride_cache_slot,
     stride_kt,
     stride_vt,
     qk_scale,
+    FROM_CACHE: tl.constexpr,
+    CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start + BLOCK_N (those below key_hi); K/V
-    as `_load_kv_tile` reads them."""
+    """One online-softmax step over keys start .. start + BLOCK_N (those below hi). K and V
+    come from the cache through the block table (FROM_CACHE: keys before context_len, which
+    earlier steps wrote) or from the k/v inputs, row new_row0 + pos - context_len (this step's
+    keys: the programs that write them to the cache run in this same launch)."""
     pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < key_hi
-    k, v = _load_kv_tile(
-        pos, valid, context_len, new_row0, table_row, k_cache_ptr, v_cache_ptr, k_new_ptr,
-        v_new_ptr, head_offset, stride_cache_block, stride_cache_slot, stride_kt, stride_vt,
-        KV_BLOCK_SIZE, HEAD_DIM, COMPUTE_F32,
-    )  # fmt: skip
+    valid = pos < hi
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    if FROM_CACHE:
+        block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d, mask=valid[:, None], other=0.0)
+    else:
+        rows = (new_row0 + pos - context_len).to(tl.int64)[:, None]
+        k = tl.load(k_new_ptr + rows * stride_kt + offs_d, mask=valid[:, None], other=0.0)
+        v = tl.load(v_new_ptr + rows * stride_vt + offs_d, mask=valid[:, None], other=0.0)
+    if COMPUTE_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N]
-    # Every step holds at least one valid key, so m_new is finite and alpha well defined.
+    visible = valid[None, :]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= row_last[:, None])
+    scores = tl.where(visible, scores, float("-inf"))  # [ROWS, BLOCK_N]
+    # Every row sees a key in its first step (a decode row every valid key; a causal row key
+    # 0 at least), so m_i is finite from then on and a later step a row sees nothing of
+    # gives alpha 1, p 0.
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_keys(
+    q,
+    m_i,
+    l_i,
+    acc,
+    lo,
+    hi,
+    row_last,
+    context_len,
+    new_row0,
+    table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_kt,
+    stride_vt,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys lo .. hi: a loop over the cached ones (below context_len),
+    then one over this step's. Two loops, so each loads only K and V: with both sources in
+    one loop, the software pipeline staged four [BLOCK_N, D] tiles in shared memory a step
+    (the new-key pair almost always masked off), halving the programs an SM holds."""
+    cache_hi = tl.minimum(hi, context_len)
+    new_lo = tl.maximum(lo, context_len)
+    if COMPUTE_F32:
+        # Interpreter: a `range` over loaded scalars calls int() on a one-element array, which
+        # NumPy >= 2.5 refuses (triton 3.6 with numpy 2.5 fails so); while loops avoid it.
+        start = lo
+        while start < cache_hi:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, cache_hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, True, CAUSAL, KV_BLOCK_SIZE,
+                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+        start = new_lo
+        while start < hi:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, False, CAUSAL, KV_BLOCK_SIZE,
+                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        # GPU: for loops, which Triton software-pipelines over num_stages (while loops not).
+        for start in range(lo, cache_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, cache_hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, True, CAUSAL, KV_BLOCK_SIZE,
+                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+        for start in range(new_lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, False, CAUSAL, KV_BLOCK_SIZE,
+                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+    return m_i, l_i, acc
 
 
 # Arguments that change from step to step are not specialised on (Triton would compile a
@@ -212,10 +282,11 @@ def _paged_attention_kernel(
     slot_mapping_ptr,  # [T] int64 cache slot of each token
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
-    out_ptr,  # [T, Hq, D] (normal) or unused (split)
+    out_ptr,  # [T, Hq, D]
     m_ws_ptr,  # [T, Hq, S] float32, split only
     l_ws_ptr,  # [T, Hq, S] float32, split only
     acc_ws_ptr,  # [T, Hq, S, D] float32, split only
+    counters_ptr,  # [>= T * Hkv] int32, zero between launches; fused split reduce only
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]
@@ -239,7 +310,11 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # 1: write the output; > 1: write partials to the workspace
+    NUM_SPLITS: tl.constexpr,  # 1: one pass; > 1: up to NUM_SPLITS programs share the keys
+    MIN_SPLIT_KEYS: tl.constexpr,  # a split takes at least this many keys
+    FUSED_REDUCE: tl.constexpr,  # splits: the last to finish combines (else a reduce kernel)
+    COMBINE_G: tl.constexpr,  # GROUP rounded up to a power of two (the combine's rows)
+    COMBINE_S: tl.constexpr,  # splits the combine loads at once (a power of two)
     COMPUTE_F32: tl.constexpr,  # interpreter: cast tiles to float32 after loading
     DOT_PRECISION: tl.constexpr,
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
@@ -287,9 +362,15 @@ def _paged_attention_kernel(
 
     key_lo = num_keys * 0
     key_hi = num_keys
+    split = 0
+    active = 1  # splits holding keys
     if NUM_SPLITS > 1:
+        # A split's share comes from this sequence's length, not from the shapes: a short
+        # sequence takes one split (the others find no keys and return), a long one all.
         split = tl.program_id(2)
-        per_split = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.maximum(tl.cdiv(num_keys, NUM_SPLITS), MIN_SPLIT_KEYS)
+        per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+        active = tl.cdiv(num_keys, per_split)
         key_lo = split * per_split
         key_hi = tl.minimum(key_lo + per_split, num_keys)
 
@@ -299,20 +380,17 @@ def _paged_attention_kernel(
     head_mask = offs_g < GROUP
     k_new_ptr += kv_head * stride_kh
     v_new_ptr += kv_head * stride_vh
-    head_offset = kv_head * stride_cache_head
+    k_cache_ptr += kv_head * stride_cache_head
+    v_cache_ptr += kv_head * stride_cache_head
 
     # The KV-cache write, fused: each token's (first-split) program stores its own K and V.
     # No program of this launch reads them back from the cache (see _attend_tile). Padding
     # tokens' slot is 0, the runtime's scratch block.
-    write = True
-    if NUM_SPLITS > 1:
-        write = tl.program_id(2) == 0
-    if write:
+    if split == 0:
         slot = tl.load(slot_mapping_ptr + token, mask=mine, other=0).to(tl.int64)
         dst = (
             (slot // KV_BLOCK_SIZE) * stride_cache_block
             + (slot % KV_BLOCK_SIZE) * stride_cache_slot
-            + head_offset
             + offs_d
         )
         k_row = tl.load(k_new_ptr + token.to(tl.int64) * stride_kt + offs_d, mask=mine)
@@ -331,48 +409,102 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     context_len = seq_len - (q_end - q_start)  # keys already in the cache before this step
-    if COMPUTE_F32:
-        # Interpreter: a `range` over loaded scalars calls int() on a one-element array, which
-        # NumPy >= 2.5 refuses (triton 3.6 with numpy 2.5 fails so); a while loop avoids it.
-        start = key_lo
-        while start < key_hi:
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, key_hi, context_len, q_start, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
-                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
-                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        # GPU: a for loop, which Triton software-pipelines over num_stages (a while loop not).
-        for start in range(key_lo, key_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, key_hi, context_len, q_start, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
-                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
-                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, key_lo, key_hi, m_i, context_len, q_start, table_row, k_cache_ptr,
+        v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot, stride_kt,
+        stride_vt, qk_scale, False, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+    )  # fmt: skip
 
-    if NUM_SPLITS > 1:
-        # Partials of an empty split stay (-inf, 0, 0): the reduce gives them weight zero.
-        row_ids = (token * num_q_heads + heads) * NUM_SPLITS + split
-        tl.store(m_ws_ptr + row_ids, m_i, mask=head_mask)
-        tl.store(l_ws_ptr + row_ids, l_i, mask=head_mask)
-        tl.store(
-            acc_ws_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=head_mask[:, None],
-        )
-    else:
+    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    ws_rows = (token * num_q_heads + heads) * NUM_SPLITS  # [BLOCK_G] each head's split 0
+    if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=head_mask[:, None] & mine,
-        )
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & mine)
+    elif FUSED_REDUCE:
+        if active <= 1:
+            # One split holds every key (or none: padding, a zero output): it writes the output.
+            if split == 0:
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & mine)
+        elif split < active:
+            tl.store(m_ws_ptr + ws_rows + split, m_i, mask=head_mask)
+            tl.store(l_ws_ptr + ws_rows + split, l_i, mask=head_mask)
+            tl.store(acc_ws_ptr + (ws_rows + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=head_mask[:, None])  # fmt: skip
+            # The last of the active splits to finish combines the partials. The barrier puts
+            # every thread's partial stores before the counter's (release) add.
+            tl.debug_barrier()
+            counter = counters_ptr + token * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
+                _combine_splits(
+                    out_ptr + token * stride_ot, stride_oh, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+                    (token * num_q_heads + kv_head * GROUP) * NUM_SPLITS, kv_head * GROUP,
+                    active, GROUP, COMBINE_G, COMBINE_S, NUM_SPLITS, HEAD_DIM,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch
+    else:
+        # Every split stores its partial (an empty split's stays -inf, 0, 0: weight zero) for
+        # _reduce_splits_kernel.
+        tl.store(m_ws_ptr + ws_rows + split, m_i, mask=head_mask)
+        tl.store(l_ws_ptr + ws_rows + split, l_i, mask=head_mask)
+        tl.store(acc_ws_ptr + (ws_rows + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=head_mask[:, None])  # fmt: skip
+
+
+@triton.jit
+def _combine_splits(
+    out_ptr,  # the token's output row [Hq, D]
+    stride_oh,
+    m_ws_ptr,  # [T, Hq, S]
+    l_ws_ptr,
+    acc_ws_ptr,  # [T, Hq, S, D]
+    ws_row0,  # the group's first head's split 0 in the workspace
+    head0,  # the group's first query head
+    active,
+    GROUP: tl.constexpr,
+    COMBINE_G: tl.constexpr,
+    COMBINE_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The group's output = its splits' partial outputs weighted by their softmax sums, for
+    splits 0 .. active - 1 (each holds at least one key), COMBINE_S splits a load so the
+    latency is paid once per COMBINE_S, not per split. Loads bypass L1 (.cg): other SMs
+    wrote the partials during this launch."""
+    offs_g = tl.arange(0, COMBINE_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_ok = offs_g < GROUP
+    rows = ws_row0 + offs_g * NUM_SPLITS  # [G] each head's split 0
+    m_max = tl.full([COMBINE_G], float("-inf"), tl.float32)
+    s0 = active * 0
+    while s0 < active:  # the max over the splits first: the weights need it
+        offs_s = s0 + tl.arange(0, COMBINE_S)
+        ok = g_ok[:, None] & (offs_s < active)[None, :]
+        ms = tl.load(m_ws_ptr + rows[:, None] + offs_s[None, :], mask=ok, other=float("-inf"),
+                     cache_modifier=".cg")  # fmt: skip
+        m_max = tl.maximum(m_max, tl.max(ms, 1))
+        s0 += COMBINE_S
+    m_max = tl.where(g_ok, m_max, 0.0)  # padded rows: no splits, keep exp2 away from NaN
+    total = tl.zeros([COMBINE_G], tl.float32)
+    out = tl.zeros([COMBINE_G, HEAD_DIM], tl.float32)
+    s0 = active * 0
+    while s0 < active:
+        offs_s = s0 + tl.arange(0, COMBINE_S)
+        ok = g_ok[:, None] & (offs_s < active)[None, :]  # [G, S]
+        idx = rows[:, None] + offs_s[None, :]
+        ms = tl.load(m_ws_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        ls = tl.load(l_ws_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        weight = tl.exp2(ms - m_max[:, None])  # [G, S], 0 where masked
+        total += tl.sum(ls * weight, 1)
+        parts = tl.load(acc_ws_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        out += tl.sum(parts * weight[:, :, None], 1)
+        s0 += COMBINE_S
+    out = out / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + (head0 + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -411,55 +543,6 @@ def _reduce_splits_kernel(
         out_ptr + token * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
     )
-
-
-@triton.jit
-def _attend_tile_causal(
-    q,  # [ROWS, D]: BLOCK_M query tokens x GROUP_P2 heads, token-major
-    m_i,  # [ROWS]
-    l_i,  # [ROWS]
-    acc,  # [ROWS, D] float32, unnormalised
-    row_last,  # [ROWS] last key position each row sees (causal)
-    start,
-    key_hi,
-    context_len,
-    new_row0,
-    table_row,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_new_ptr,
-    v_new_ptr,
-    head_offset,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_kt,
-    stride_vt,
-    qk_scale,
-    KV_BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    COMPUTE_F32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """`_attend_tile` for a query tile: the same K/V step, masked per row by causality."""
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < key_hi
-    k, v = _load_kv_tile(
-        pos, valid, context_len, new_row0, table_row, k_cache_ptr, v_cache_ptr, k_new_ptr,
-        v_new_ptr, head_offset, stride_cache_block, stride_cache_slot, stride_kt, stride_vt,
-        KV_BLOCK_SIZE, HEAD_DIM, COMPUTE_F32,
-    )  # fmt: skip
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    visible = valid[None, :] & (pos[None, :] <= row_last[:, None])
-    scores = tl.where(visible, scores, float("-inf"))  # [ROWS, BLOCK_N]
-    # Every row sees key 0 in the first step (row_last >= 0), so m_i is finite from then on
-    # and a later step where a row sees nothing gives alpha 1, p 0.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS)
@@ -577,25 +660,12 @@ def _paged_attention_tiled_kernel(
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + tl.minimum(seq, num_seqs - 1).to(tl.int64) * stride_bt
-    if COMPUTE_F32:
-        # Interpreter: a while loop, as in _paged_attention_kernel (NumPy >= 2.5 and range).
-        start = key_hi * 0
-        while start < key_hi:
-            m_i, l_i, acc = _attend_tile_causal(
-                q, m_i, l_i, acc, row_last, start, key_hi, context_len, q_start, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
-                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
-                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        for start in range(0, key_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile_causal(
-                q, m_i, l_i, acc, row_last, start, key_hi, context_len, q_start, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, head_offset,
-                stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale,
-                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, key_hi * 0, key_hi, row_last, context_len, q_start, table_row,
+        k_cache_ptr + head_offset, v_cache_ptr + head_offset, k_new_ptr, v_new_ptr,
+        stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale, True,
+        KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+    )  # fmt: skip
 
     # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -624,23 +694,50 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[index]
 
 
+def decode_config(num_tokens: int, device: torch.device) -> dict:
+    """The single-token kernel's config for a launch of num_tokens tokens (shapes only)."""
+    table = _CONFIGS["cpu" if device.type == "cpu" else "cuda"]
+    return [config for least, config in table if least <= max(num_tokens, 1)][-1]
+
+
 def choose_num_splits(
     num_tokens: int, num_kv_heads: int, max_context: int, device: torch.device
 ) -> int:
     """How many KV splits to use, from shapes only (never tensor values, so the choice is the
     same at capture and replay). 1 means the single-pass kernel. Splitting pays when the
     T * Hkv programs would leave SMs idle; max_context is the block table's capacity, an
-    upper bound on any sequence's length."""
+    upper bound on any sequence's length. The kernel gives a short sequence fewer splits
+    (one below 2 x MIN_SPLIT_KEYS keys), so a wide table costs little at short context."""
     programs = num_tokens * num_kv_heads
     sms = _sm_count(device)
     if programs >= sms:
         return 1
     splits = min(
         triton.cdiv(2 * sms, programs),
-        triton.cdiv(max_context, _MIN_KEYS_PER_SPLIT),
+        triton.cdiv(max_context, decode_config(num_tokens, device)["MIN_SPLIT_KEYS"]),
         _MAX_SPLITS,
     )
     return max(splits, 1)
+
+
+_counters: dict[torch.device, Tensor] = {}
+_MIN_COUNTERS = 4096  # more than any automatic choice needs (T x Hkv below the SM count)
+
+
+def _split_counters(device: torch.device, size: int) -> Tensor:
+    """The fused split reduction's arrival counters, one per (token, KV head): zero
+    between launches (the program that combines zeroes its counter again), so one buffer per
+    device serves every launch, captured or not."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise PagedAttentionKernelError(
+                f"split-KV for {size} (token, head group) pairs needs its counters allocated "
+                "before CUDA-graph capture: run the same call once outside the capture first"
+            )
+        counters = torch.zeros(max(size, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
 
 
 @functools.cache
@@ -786,13 +883,14 @@ def _launch_single(
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     on_cpu = q.device.type == "cpu"
-    config = _CONFIGS["cpu" if on_cpu else "cuda"]
+    config = decode_config(num_tokens, q.device)
     group = num_q_heads // num_kv_heads
     block_g = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
     # float32 inputs keep full precision on GPU (tf32 would lose ~3 digits); bf16/fp16 take
     # the tensor-core path, where the precision flag has no effect.
     dot_precision = "ieee" if q.dtype == torch.float32 or on_cpu else "tf32"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (block_tables.shape[0] if by_seq else num_tokens, num_kv_heads, num_splits)
 
     if num_splits > 1:
         m_ws = torch.empty(
@@ -802,10 +900,10 @@ def _launch_single(
         acc_ws = torch.empty(
             (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
+        counters = _split_counters(q.device, grid[0] * grid[1]) if _FUSED_REDUCE else m_ws
     else:
-        m_ws = l_ws = acc_ws = out  # never touched by the single-pass kernel
+        m_ws = l_ws = acc_ws = counters = out  # never touched by the single-pass kernel
 
-    grid = (block_tables.shape[0] if by_seq else num_tokens, num_kv_heads, num_splits)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q,
@@ -818,6 +916,7 @@ def _launch_single(
             m_ws,
             l_ws,
             acc_ws,
+            counters,
             block_tables,
             seq_lens,
             query_start_loc,
@@ -831,13 +930,17 @@ def _launch_single(
             KV_BLOCK_SIZE=block_size,
             BLOCK_N=config["BLOCK_N"],
             NUM_SPLITS=num_splits,
+            MIN_SPLIT_KEYS=config["MIN_SPLIT_KEYS"],
+            FUSED_REDUCE=_FUSED_REDUCE,
+            COMBINE_G=triton.next_power_of_2(group),
+            COMBINE_S=min(_COMBINE_S, triton.next_power_of_2(num_splits)),
             COMPUTE_F32=on_cpu,
             DOT_PRECISION=dot_precision,
             BY_SEQ=by_seq,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
-        if num_splits > 1:
+        if num_splits > 1 and not _FUSED_REDUCE:
             _reduce_splits_kernel[(num_tokens, num_q_heads)](
                 out,
                 m_ws,

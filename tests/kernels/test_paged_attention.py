@@ -99,6 +99,41 @@ def test_split_partials_cover_many_splits():
 
 
 @interpreted
+@pytest.mark.parametrize(
+    "setting, value",
+    [("_FUSED_REDUCE", False), ("_COMBINE_S", 2), ("MIN_SPLIT_KEYS", 32), ("BLOCK_N", 32)],
+)
+def test_decode_variants(monkeypatch: pytest.MonkeyPatch, setting: str, value):
+    # The split reduction fused (the last split combines, COMBINE_S splits a load) or a second
+    # kernel, the keys a split takes at least, the key tile: every variant the configs may
+    # pick matches the reference, with padding, an empty sequence between, and sequences
+    # shorter and longer than a split.
+    if setting.startswith("_"):
+        monkeypatch.setattr(pa, setting, value)
+    else:
+        [(least, config)] = pa._CONFIGS["cpu"]
+        monkeypatch.setitem(pa._CONFIGS, "cpu", [(least, {**config, setting: value})])
+    batch = pa.make_batch(
+        [1, 6, 0, 1, 1], [21, 6, 4, 44, 70], num_q_heads=8, num_kv_heads=2, block_size=3,
+        pad_tokens=2, pad_seqs=1,
+    )  # fmt: skip
+    for num_splits in (1, 5):
+        pa.check(batch, num_splits=num_splits)
+
+
+@interpreted
+def test_fused_split_reduce_leaves_counters_zero():
+    # The program that combines a (token, head group)'s splits zeroes its counter again, so
+    # the next launch (the next layer, a graph replay) finds every counter at zero.
+    batch = pa.make_batch([1, 1], [70, 40], block_size=4)
+    first = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), num_splits=4)
+    counters = pa._counters[batch.q.device]
+    assert int(counters.abs().sum()) == 0
+    second = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), num_splits=4)
+    assert torch.equal(first, second)
+
+
+@interpreted
 def test_custom_op_matches_reference_and_mutates_cache():
     batch = _batch("mixed", 4, torch.float32)
     cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
