@@ -29,6 +29,15 @@ the H200 by `python -m benchmarks gemm --write-configs`; a shape without an entr
 cuBLAS won, more than 256 rows, float32 or a CPU tensor outside the interpreter run
 F.linear (cuBLAS). Inside a CUDA graph the choice is made once, at capture.
 
+Measured on the H200 (`python -m benchmarks gemm`, bf16, CUDA-graph replay with the weight
+read from HBM, at d813e66): the swapped dot with a [16, 64, 256] tile and no split streams the
+o_proj weight [4096, 4096] in 11.2 us at M = 1..16 where cuBLAS takes 13.3-13.7 (x1.2, 3.0 TB/s)
+and qkv [6144, 4096] in 14.7-15.6 us against 15.5-16.5 (x1.04-1.07, up to 3.4 TB/s); on
+gate_up and down_proj, which cuBLAS already streams at 3.7-4.2 TB/s, it ties (x0.98-1.04), and
+at M >= 64 it ties or loses (x0.4-1.0). The lm_head [128256, 4096] runs at 4.4-4.5 TB/s
+(x1.03-1.07 at M <= 64), but it is computed outside the compiled graph, so nothing routes it
+here yet. Splits helped only the K = 14336 and M = 32 cells, by a few percent.
+
 On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), float32/float16 only (the interpreter computes bf16 wrongly).
 `check()` compares with the reference; `python -m benchmarks gemm` times it against cuBLAS.

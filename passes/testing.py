@@ -248,7 +248,7 @@ def assert_numerics_unchanged(
         raise KitError(f"pass {pass_.name} matched nothing in {model_dir}: nothing to compare")
     off, _ = compiled_logits(model_dir, [], ctx, inductor=inductor, sequences=sequences)
     worst = max(relative_error(a, b) for a, b in zip(on, off, strict=True))
-    if worst > rtol:
+    if not worst <= rtol:  # a NaN error (non-finite logits) fails too
         raise AssertionError(
             f"pass {pass_.name}: logits with the pass differ from without it by {worst:.2e} "
             f"(relative), above rtol {rtol:.0e}"
