@@ -19,8 +19,8 @@ The sweep has a time budget; what it did not reach is recorded as such.
 
 Reported per (shape, M, variant): microseconds per call, TB/s (weight + x + y bytes) and
 TFLOP/s. --write-configs writes kernels_generated/configs/skinny_gemm.json's h100 section: per
-(N, K, M) the fastest Triton config where it beats cuBLAS by at least --min-speedup, else
-cuBLAS.
+(N, K, M) the faster of the best Triton config and cuBLASLt where it beats cuBLAS by at least
+--min-speedup, else cuBLAS. --from-json rewrites it from a saved sweep, without a GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -319,34 +320,63 @@ def print_table(cells: list[dict]) -> None:
         )
 
 
-def write_configs(cells: list[dict], path: str, min_speedup: float) -> None:
-    """The h100 section of the skinny GEMM's config table from this sweep."""
-    from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs, tuning_provenance
+def table_entries(cells: list[dict], info: dict, min_speedup: float) -> list:
+    """Per cell the fastest of the best Triton config and cuBLASLt where it beats cuBLAS by at
+    least `min_speedup`, else cuBLAS; with the times behind the choice."""
+    from kernels_generated.configs import ConfigEntry
 
-    table = ConfigTable.load(path)
-    info = tuning_provenance()
     entries = []
     for c in cells:
         if "error" in c:
             continue
-        cublas_us = c["variants"]["cublas"]["us"]
-        best = c.get("best_triton")
-        key = {"N": c["N"], "K": c["K"], "M": c["M"]}
-        timing = {"cublas_us": cublas_us}
-        if best and c["speedup_vs_cublas"] >= min_speedup:
-            config = {"kernel": "triton", **c["variants"][best]["config"]}
-            timing["us"] = c["variants"][best]["us"]
-        else:
-            config = {"kernel": "cublas"}
-            if best:
-                timing["best_triton_us"] = c["variants"][best]["us"]
-        entries.append(ConfigEntry(key, config, {**info, **timing}))
+        variants = c["variants"]
+        cublas_us = variants["cublas"]["us"]
+        contenders = {"cublaslt": variants["cublaslt"]["us"]}
+        if c.get("best_triton"):
+            contenders["triton"] = variants[c["best_triton"]]["us"]
+        kernel = min(contenders, key=contenders.get)
+        timing = {"cublas_us": cublas_us, **{f"{k}_us": v for k, v in contenders.items()}}
+        if cublas_us / contenders[kernel] < min_speedup:
+            kernel = "cublas"
+        config = {"kernel": kernel}
+        if kernel == "triton":
+            config.update(variants[c["best_triton"]]["config"])
+        entries.append(
+            ConfigEntry({"N": c["N"], "K": c["K"], "M": c["M"]}, config, {**info, **timing})
+        )
+    return entries
+
+
+def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) -> None:
+    """The h100 section of the skinny GEMM's config table from a sweep's cells."""
+    from kernels_generated.configs import ConfigTable, TargetConfigs
+
+    table = ConfigTable.load(path)
     table.targets["h100"] = TargetConfigs(
         True,
-        entries,
-        note=f"python -m benchmarks gemm --write-configs: Triton where >= x{min_speedup} cuBLAS",
+        table_entries(cells, info, min_speedup),
+        note=f"python -m benchmarks gemm --write-configs: Triton or cuBLASLt where >= "
+        f"x{min_speedup} cuBLAS, else cuBLAS",
     )
     print(f"wrote {table.save(path)}")
+
+
+def provenance_of(record: dict) -> dict:
+    """tuning_provenance() as it was when a saved sweep ran, read off its JSON."""
+    versions = record.get("versions", {})
+    return {
+        "device": record["device"]["name"],
+        "dtype": record.get("dtype", "bfloat16"),
+        "tuned_at": record["timestamp"],
+        "versions": {k: versions[k] for k in ("torch", "triton") if k in versions},
+        "sweep": f"{record['name']}@{record['commit']}",
+    }
+
+
+def payload_commit() -> str:
+    from benchmarks.results import git_state
+
+    return git_state()[0][:12]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,7 +388,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-configs", metavar="PATH", help="write the tuned table here")
     p.add_argument("--min-speedup", type=float, default=1.05)
     p.add_argument("--list", action="store_true", help="print the sweep's configs per cell")
+    p.add_argument(
+        "--from-json",
+        metavar="JSON",
+        help="no sweep: rewrite --write-configs from a saved gemm JSON (no GPU needed)",
+    )
     args = p.parse_args(argv)
+    if args.from_json:
+        import json
+
+        if not args.write_configs:
+            raise SystemExit("--from-json needs --write-configs PATH")
+        record = json.loads(Path(args.from_json).read_text())
+        write_configs(record["cells"], args.write_configs, args.min_speedup, provenance_of(record))
+        return 0
     if args.list:
         for name, m in itertools.product(args.shapes, args.rows):
             configs = candidates(*SHAPES[name], m)
@@ -383,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"wrote {write_result('gemm', payload, directory=args.out)}")
     if args.write_configs:
-        write_configs(cells, args.write_configs, args.min_speedup)
+        from kernels_generated.configs import tuning_provenance
+
+        info = {**tuning_provenance(), "sweep": f"gemm@{payload_commit()}"}
+        write_configs(cells, args.write_configs, args.min_speedup, info)
     return 0
 
 

@@ -23,11 +23,13 @@ split-K reduction. This kernel is one launch whatever the split:
   the first call: that call must not be inside a CUDA-graph capture (the engine's warm-up runs
   first; `SkinnyGemmError` says so otherwise).
 
-Which kernel and config runs is chosen per call from configs/skinny_gemm.json, keyed by the
-weight's exact (N, K) and the row count bucketed to a power of two (M <= 256), as measured on
-the H200 by `python -m benchmarks gemm --write-configs`; a shape without an entry, a bucket where
-cuBLAS won, more than 256 rows, float32 or a CPU tensor outside the interpreter run
-F.linear (cuBLAS). Inside a CUDA graph the choice is made once, at capture.
+Which GEMM runs is chosen per call from configs/skinny_gemm.json, keyed by the weight's exact
+(N, K) and the row count bucketed to a power of two (M <= 256), as measured on the H200 by
+`python -m benchmarks gemm --write-configs`: this kernel with its tuned config, cuBLASLt (torch's
+preferred BLAS library switched for that call only) or cuBLAS, whichever was fastest by at
+least 5% over cuBLAS. A shape without an entry, more than 256 rows, float32 or a CPU tensor
+outside the interpreter run F.linear (cuBLAS). Inside a CUDA graph the choice is made once, at
+capture.
 
 Measured on the H200 (`python -m benchmarks gemm`, bf16, CUDA-graph replay with the weight
 read from HBM, at d813e66): the swapped dot with a [16, 64, 256] tile and no split streams the
@@ -65,6 +67,7 @@ CONFIG_FILE = CONFIG_DIR / "skinny_gemm.json"
 MAX_ROWS = 256  # above this the GEMM is compute-bound and cuBLAS's tiles are right
 MAX_TILES = 1 << 16  # split-K counters per device: cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M) tiles
 MODES = {"dot": 0, "swap": 1, "fma": 2}
+KERNELS = ("triton", "cublas", "cublaslt")  # what a tuned entry may run
 
 
 class SkinnyGemmError(RuntimeError):
@@ -262,10 +265,11 @@ def config_table() -> ConfigTable:
 
 
 @functools.cache
-def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> dict | None:
-    """The tuned kernel config for this weight and row bucket, or None for cuBLAS: only
-    entries of exactly this (N, K) count (a config tuned for another weight says nothing about
-    whether cuBLAS loses here), the nearest M bucket among them."""
+def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> tuple[str, dict]:
+    """(kernel, launch config) tuned for this weight and row bucket: kernel "triton" with the
+    skinny_gemm arguments, or "cublas" / "cublaslt" with none. Only entries of exactly this
+    (N, K) count (a config tuned for another weight says nothing about whether cuBLAS loses
+    here), the nearest M bucket among them; no entry means cuBLAS."""
     section = config_table().targets.get(target)
     entries = [
         e
@@ -273,41 +277,60 @@ def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> dict 
         if e.key["N"] == n_size and e.key["K"] == k_size
     ]
     if not entries:
-        return None
+        return "cublas", {}
     entry = min(entries, key=lambda e: abs(e.key["M"].bit_length() - rows_bucket.bit_length()))
     config = dict(entry.config)
-    return None if config.pop("kernel") == "cublas" else config
+    kernel = config.pop("kernel")
+    if kernel not in KERNELS:
+        raise SkinnyGemmError(f"{CONFIG_FILE}: unknown kernel {kernel!r}; one of {KERNELS}")
+    return kernel, config
 
 
 def linear_ref(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
-def choose(x: Tensor, w: Tensor) -> dict | None:
-    """The config `linear` runs x @ w^T with, or None for cuBLAS (F.linear). Under the
-    interpreter, CPU tensors in float32/float16 read the h100 table, so that tests on CPU run
-    the kernel the GPU would."""
+def choose(x: Tensor, w: Tensor) -> tuple[str, dict]:
+    """The (kernel, config) `linear` runs x @ w^T with. Under the interpreter, CPU tensors in
+    float32/float16 read the h100 table, so that tests on CPU run the kernel the GPU would."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= MAX_ROWS:
-        return None
+        return "cublas", {}
     if x.device.type == "cuda" and not INTERPRETED:
         if x.dtype not in (torch.bfloat16, torch.float16):
-            return None
+            return "cublas", {}
     elif not (INTERPRETED and x.device.type == "cpu" and x.dtype != torch.bfloat16):
-        return None
+        return "cublas", {}
     return config_for("h100", w.shape[0], w.shape[1], bucket_tokens(rows))
+
+
+@contextlib.contextmanager
+def blas_library(name: str):
+    """torch's preferred BLAS library set to `name` for the calls inside, then restored. A
+    process-wide flag that cuBLAS GEMMs read at dispatch: inside a CUDA-graph capture the
+    library is fixed into the graph."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 # The op the skinny_gemm pass swaps in for a bias-free F.linear: opaque to Dynamo and Inductor
 # (Inductor would otherwise lower the mm to cuBLAS again), one call in the CUDA graph.
 @torch.library.custom_op("ce_kernels::skinny_linear", mutates_args=())
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    """F.linear(x, w) through the tuned skinny GEMM where it beat cuBLAS, else cuBLAS."""
-    config = choose(x, w)
-    if config is None:
-        return F.linear(x, w)
-    out = skinny_gemm(x.reshape(-1, x.shape[-1]), w, **config)
-    return out.view(*x.shape[:-1], w.shape[0])
+    """F.linear(x, w) by what won the tuning sweep for this weight and row count: the Triton
+    skinny GEMM, cuBLASLt, or cuBLAS (also where nothing was tuned)."""
+    kernel, config = choose(x, w)
+    if kernel == "triton":
+        out = skinny_gemm(x.reshape(-1, x.shape[-1]), w, **config)
+        return out.view(*x.shape[:-1], w.shape[0])
+    if kernel == "cublaslt" and x.is_cuda:
+        with blas_library("cublaslt"):
+            return F.linear(x, w)
+    return F.linear(x, w)
 
 
 @linear.register_fake

@@ -97,11 +97,12 @@ def test_interpreted_split_counters_reset_between_calls():
 def test_interpreted_op_dispatches_by_table(use_table, monkeypatch):
     swap = {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16, "block_k": 16,
             "split_k": 2, "num_warps": 4, "num_stages": 2}  # fmt: skip
-    use_table(table_of({(24, 32, 1): swap, (24, 32, 16): {"kernel": "cublas"}}))
+    use_table(table_of({(24, 32, 1): swap, (24, 32, 16): {"kernel": "cublas"},
+                        (24, 32, 64): {"kernel": "cublaslt"}}))  # fmt: skip
     launched = []
     real = k.skinny_gemm
     monkeypatch.setattr(k, "skinny_gemm", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
-    for rows, runs_kernel in ((1, True), (2, True), (9, False), (300, False)):
+    for rows, runs_kernel in ((1, True), (2, True), (9, False), (40, False), (300, False)):
         x, w = _inputs(rows, 24, 32, torch.float16)
         launched.clear()
         got = k.linear(x, w)
@@ -131,14 +132,34 @@ def test_parent_process_refuses_cpu_tensors(mode):
 
 def test_config_for_needs_exact_weight_and_takes_nearest_bucket(use_table):
     tri = {"kernel": "triton", "mode": "swap", "block_n": 64}
-    use_table(table_of({(6144, 4096, 1): tri, (6144, 4096, 64): {"kernel": "cublas"},
+    use_table(table_of({(6144, 4096, 1): tri, (6144, 4096, 64): {"kernel": "cublaslt"},
                         (4096, 4096, 1): {**tri, "block_n": 32}}))  # fmt: skip
-    assert k.config_for("h100", 6144, 4096, 1) == {"mode": "swap", "block_n": 64}
-    assert k.config_for("h100", 6144, 4096, 4) == {"mode": "swap", "block_n": 64}
-    assert k.config_for("h100", 6144, 4096, 32) is None  # nearer 64, where cuBLAS won
-    assert k.config_for("h100", 4096, 4096, 1) == {"mode": "swap", "block_n": 32}
-    assert k.config_for("h100", 6144, 8192, 1) is None  # unknown K
-    assert k.config_for("cpu", 6144, 4096, 1) is None
+    assert k.config_for("h100", 6144, 4096, 1) == ("triton", {"mode": "swap", "block_n": 64})
+    assert k.config_for("h100", 6144, 4096, 4) == ("triton", {"mode": "swap", "block_n": 64})
+    assert k.config_for("h100", 6144, 4096, 32) == ("cublaslt", {})  # nearer 64
+    assert k.config_for("h100", 4096, 4096, 1) == ("triton", {"mode": "swap", "block_n": 32})
+    assert k.config_for("h100", 6144, 8192, 1) == ("cublas", {})  # unknown K
+    assert k.config_for("cpu", 6144, 4096, 1) == ("cublas", {})
+
+
+def test_unknown_kernel_in_table_is_an_error(use_table):
+    use_table(table_of({(64, 64, 1): {"kernel": "cutlass"}}))
+    with pytest.raises(k.SkinnyGemmError, match="unknown kernel 'cutlass'"):
+        k.config_for("h100", 64, 64, 1)
+
+
+def test_blas_library_is_restored(monkeypatch):
+    # CPU builds refuse cuBLASLt, so the flag is recorded instead of set.
+    state = ["cublas"]
+    monkeypatch.setattr(
+        torch.backends.cuda,
+        "preferred_blas_library",
+        lambda name=None: state[-1] if name is None else state.append(name),
+    )
+    with pytest.raises(ValueError), k.blas_library("cublaslt"):
+        assert state[-1] == "cublaslt"
+        raise ValueError
+    assert state == ["cublas", "cublaslt", "cublas"]
 
 
 def test_shipped_table_loads_with_valid_configs():
@@ -149,7 +170,7 @@ def test_shipped_table_loads_with_valid_configs():
     params = set(inspect.signature(k.skinny_gemm).parameters) - {"x", "w"}
     for entry in table.targets["h100"].entries:
         config = dict(entry.config)
-        assert config.pop("kernel") in ("triton", "cublas")
+        assert config.pop("kernel") in k.KERNELS
         assert set(config) <= params, entry.key
         assert config.get("mode", "swap") in k.MODES
 
@@ -177,13 +198,13 @@ def test_cpu_kernel_cases_in_one_child():
 # --------------------------------------------------------------------------- GPU
 
 
-def _tuned_triton_cells() -> list[tuple[dict, dict]]:
+def _tuned_cells(kernel: str) -> list[tuple[dict, dict]]:
     table = ConfigTable.load(k.CONFIG_FILE)
     section = table.targets.get("h100")
     cells = []
     for entry in section.entries if section else []:
         config = dict(entry.config)
-        if config.pop("kernel") == "triton":
+        if config.pop("kernel") == kernel:
             cells.append((entry.key, config))
     return cells
 
@@ -191,13 +212,26 @@ def _tuned_triton_cells() -> list[tuple[dict, dict]]:
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_tuned_configs_match_cublas():
-    cells = _tuned_triton_cells()
+    cells = _tuned_cells("triton")
     if not cells:
         pytest.skip("no Triton entry in the h100 table: cuBLAS everywhere")
     for key, config in cells:
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
         assert _rel(k.skinny_gemm(x, w, **config), k.linear_ref(x, w)) < 1e-2, key
         assert _rel(k.linear(x, w), k.linear_ref(x, w)) < 1e-2, key
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cublaslt_cells_match_and_restore_the_library():
+    cells = _tuned_cells("cublaslt")
+    if not cells:
+        pytest.skip("no cuBLASLt entry in the h100 table")
+    before = torch.backends.cuda.preferred_blas_library()
+    for key, _ in cells:
+        x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
+        assert _rel(k.linear(x, w), k.linear_ref(x, w)) < 1e-2, key
+        assert torch.backends.cuda.preferred_blas_library() == before
 
 
 @pytest.mark.gpu
