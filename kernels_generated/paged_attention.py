@@ -47,18 +47,23 @@ once, by its tile's program; this step's keys read from the k/v inputs). One-tok
 (decode) sequences are skipped: a second launch of the single-token kernel, gridded over
 sequences (`BY_SEQ`), serves them, so a mixed batch's decodes waste no dot rows. The two
 launches touch disjoint tokens. `choose_tiled` takes the variant for batches with at least
-two tokens per sequence slot, never split. On the H200 (bf16, Llama-3-8B heads) four
-512-token chunks take 0.077 ms against 0.778 ms single-token (`python -m
-benchmarks.paged_attention --prefill`).
+two tokens per sequence slot, never split. On the H200 at 9488c66 (bf16, Llama-3-8B heads)
+four 512-token chunks take 0.055 ms against 0.342 ms single-token, 0.321 against 2.479 after
+2k tokens of context (`python -m benchmarks.paged_attention --prefill`); a mixed offline step
+(3 chunks of 600 + 237 decodes at contexts 513-768) 245 us.
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: there tiles are cast to float32 right
 after loading. `check()` compares with the reference; `bench()` reports achieved GB/s.
 
-Measured on the H200 (`python -m benchmarks.paged_attention`, bf16 decode, Hq 32, Hkv 8,
-D 128, block 16, CUDA-graph replay): 98-104% of the 4.26 TB/s copy bandwidth at batch 64/256
-with contexts of 4k and 32k, 3.6-4.5x the reference gather + SDPA; at batch 1, context 32k,
-33 splits reach 60% where the single pass reaches 4%.
+Measured on the H200 at 9488c66 (`python -m benchmarks.paged_attention --contexts 100 640
+4096 32768`, bf16 decode, Hq 32, Hkv 8, D 128, block 16, one context for every sequence,
+CUDA-graph replay; paged_attention-nvidia-h200-9488c66.json): batch 256 reads 101-103% of the
+4.26 TB/s copy rate at contexts 4k / 32k (1.00 / 7.87 ms a layer), 92% at 640 (0.172 ms), 53%
+at 100 (0.048 ms: per-program fixed cost, not bandwidth); batch 64 91-95% at 4k / 32k;
+batch 1 takes 8 us at context 100 and reads 64% at 32k (33 splits, 49 us). 3.3-4.1x the
+reference gather + SDPA from 4k up. The configs chosen after that run (below) were faster
+or equal at every shape of the sweep.
 """
 
 from __future__ import annotations
@@ -85,26 +90,27 @@ _MAX_SPLITS = 64
 _CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed value keeps the choice deterministic
 
 # Decode configs by launch size: (least tokens, config), the last that fits applies. CUDA,
-# from sweeps on the H200 (bf16, Llama-3-8B heads, block 16; scripts/device/pa_sweep.py and
-# pa_decode_sweep.py): BLOCK_N 32 / 2 warps / 2 stages at 128+ tokens (batch 256, contexts
-# 32-160 / 513-768: 45 / 205 us), 32 / 4 / 2 from 17 tokens (batch 64: 15.0 us at contexts
-# 40-160, 316 at 4k, 2,450 at 32k, against 16.4 / 333 / 2,583 for 32 / 2 / 2) and 64 / 4 /
-# 3 below, where T x Hkv programs leave SMs idle and split-KV runs (batch 1, context 32k: 63
-# us against 85). Measured with both key sources in one loop; see _attend_keys.
-# MIN_SPLIT_KEYS: 64 against 256 took batch 16, contexts 200-400, from 19.6 to 15.1 us.
-# Programs per several KV heads (block-diagonal q, 2 or 4 heads) were 10-60% slower at every
+# from scripts/device/pa_decode_sweep.py on the H200 at 9488c66 (bf16, Llama-3-8B heads, block
+# 16, CUDA-graph replay; batch x context): BLOCK_N 32 / 2 warps / 2 stages from 17 tokens,
+# 41 / 174 us at 256 x 32-160 / 513-768, 13.0 / 263 / 2,025 us at 64 x 40-160 / 4k / 32k
+# (64 / 2 / 2: 50.8 / 178 at batch 256, 15.9 / 249 / 1,904 at batch 64). Below, where T x
+# Hkv programs leave SMs idle and split-KV runs, 64 / 4 / 2: 8.5 / 50.4 us at 1 x 100 / 32k,
+# 29.9 at 8 x 1.5k-2.5k, 13.5 at 16 x 200-400 (32 / 2 / 2: 8.6 / 60.8 / 33.9 / 12.9).
+# MIN_SPLIT_KEYS 64 against 256 took 16 x 200-400 from 19.6 to 15.1 us (before 9488c66).
+# A program per several KV heads (block-diagonal q, 2 or 4 heads) was 10-60% slower at every
 # shape swept, so a program owns one KV head.
 _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
-        (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "MIN_SPLIT_KEYS": 64}),
-        (17, {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
-        (128, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+        (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+        (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
     ],
     "cpu": [(1, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "MIN_SPLIT_KEYS": 16})],
 }
 # Split-KV's partials are combined by the last split of a (token, KV head) to finish (an
-# atomic counter) rather than by a second kernel: batch 1, context 100 took 10.3 us against
-# 12.9 with the reduce kernel. The combine loads COMBINE_S splits at a time.
+# atomic counter) rather than by a second kernel: one launch a layer, and a sequence short
+# enough for one split writes its output directly (1 x 100: 10.4 against 13.2 us with the
+# reduce kernel, before 9488c66). At 1 x 32k the combine of 33 splits cost 2 us more than
+# the reduce kernel (64 / 4 / 3: 50.9 against 48.6). The combine loads COMBINE_S splits a step.
 _FUSED_REDUCE = True
 _COMBINE_S = 8
 

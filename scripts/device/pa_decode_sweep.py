@@ -1,7 +1,7 @@
 """Sweep the single-token (decode) paged-attention kernel's configs at the engine's shapes.
 
 Device call: carry [".whl"], command: the install line (README.md), then
-`python3 scripts/device/pa_decode_sweep.py` (about 2 minutes on the H200). Every config is
+`python3 scripts/device/pa_decode_sweep.py` (under a minute on the H200). Every config is
 compiled first in parallel worker processes (Triton's on-disk cache), then timed in this one
 by CUDA-graph replay at decode shapes from batch 1 to 256 and contexts from 32 to 32k
 (Llama-3-8B heads, bf16, block 16, block tables as wide as a 16k-token model's, so split-KV
