@@ -1,14 +1,13 @@
-"""Sweep the paged-attention kernel configs (decode and tiled) at the engine's own shapes.
+"""Sweep the query-tiled prefill kernel's configs at the engine's own shapes.
 
 Device call: carry [".whl"], command: the install line (README.md), then
-`python3 scripts/device/pa_sweep.py` (about 100 s on the H200); `--long` times a few decode
-candidates at contexts of 4k and 32k instead. Prints one line per config and writes
-$OUT/pa_sweep.json; the chosen configs live in kernels_generated/paged_attention.py.
+`python3 scripts/device/pa_sweep.py` (a minute or two on the H200). Prints one line per config and
+writes $OUT/pa_sweep.json; the chosen configs live in kernels_generated/paged_attention.py.
+The single-token (decode) kernel has its own sweep, scripts/device/pa_decode_sweep.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -52,47 +51,20 @@ def sweep(table: dict, key: str, grid: list[dict], shapes: dict, **kwargs) -> li
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--long", action="store_true", help="decode candidates at 4k and 32k")
-    args = p.parse_args()
     rng = random.Random(0)
     out: dict = {}
-    if args.long:
-        shapes = {
-            "bs64_ctx4k": batch([1] * 64, [4096] * 64),
-            "bs256_ctx4k": batch([1] * 256, [4096] * 256),
-            "bs64_ctx32k": batch([1] * 64, [32768] * 64),
-            "bs256_ctx640": batch([1] * 256, [rng.randint(513, 768) for _ in range(256)]),
-            "bs256_ctx100": batch([1] * 256, [rng.randint(40, 160) for _ in range(256)]),
-        }
-        grid = [
-            {"BLOCK_N": n, "num_warps": w, "num_stages": s}
-            for n, w, s in [(32, 2, 2), (32, 4, 2), (32, 2, 3), (64, 4, 2), (64, 2, 4), (64, 4, 3)]
-        ]
-        out["decode_long"] = sweep(pa._CONFIGS, "cuda", grid, shapes, num_splits=1)
-    else:
-        shapes = {
-            "bs256_ctx100": batch([1] * 256, [rng.randint(40, 160) for _ in range(256)]),
-            "bs256_ctx640": batch([1] * 256, [rng.randint(513, 768) for _ in range(256)]),
-            "bs64_ctx100": batch([1] * 64, [rng.randint(40, 160) for _ in range(64)]),
-        }
-        grid = [
-            {"BLOCK_N": n, "num_warps": w, "num_stages": s}
-            for n, w, s in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4])
-        ]
-        out["decode"] = sweep(pa._CONFIGS, "cuda", grid, shapes, num_splits=1)
-        decodes = [rng.randint(513, 768) for _ in range(237)]
-        mixed = {
-            "prefill4x512": batch([512] * 4, [512] * 4),
-            "mixed_3x600_237dec": batch([600] * 3 + [1] * 237, [600] * 3 + decodes),
-        }
-        grid = [
-            {"ROWS": r, "BLOCK_N": n, "num_warps": w, "num_stages": s}
-            for r, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])
-        ]
-        out["tiled"] = sweep(pa._TILED_CONFIGS, "cuda", grid, mixed, tiled=True)
-        for name, b in mixed.items():
-            out[name + "_untiled_us"] = micros(b, tiled=False)[0]
+    decodes = [rng.randint(513, 768) for _ in range(237)]
+    mixed = {
+        "prefill4x512": batch([512] * 4, [512] * 4),
+        "mixed_3x600_237dec": batch([600] * 3 + [1] * 237, [600] * 3 + decodes),
+    }
+    grid = [
+        {"ROWS": r, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+        for r, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])
+    ]
+    out["tiled"] = sweep(pa._TILED_CONFIGS, "cuda", grid, mixed, tiled=True)
+    for name, b in mixed.items():
+        out[name + "_untiled_us"] = micros(b, tiled=False)[0]
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "pa_sweep.json"), "w") as f:
         json.dump(out, f, indent=1)
 
