@@ -494,6 +494,10 @@ def _startup(r: dict) -> list[str]:
         )
     if "ready_phases" in r:  # disjoint phases, from bench startup at 898f03e on
         rows += [[f"  {_PHASES.get(k, k)}", _seconds(v)] for k, v in r["ready_phases"].items()]
+        if "weights_wait_s" in r["ready_phases"]:  # the read overlaps the phases above
+            beside = _seconds(r.get("weights_read_in_engine_s"))
+            rows.append(["  (weight read, on a thread beside them)", beside])
+            rows.append(["weight read alone (own process)", _seconds(r.get("weights_read_s"))])
         minus = _seconds(r.get("startup_ready_minus_weights_s"))
         rows.append(["ready minus the weight read", minus])
         if "warm_ready_s" in r:  # a second start, finding what the first cached
@@ -527,7 +531,9 @@ _PHASES = {
     "artifact_check_s": "artifact manifest check",
     "cuda_init_s": "CUDA context",
     "model_config_s": "model config (imports transformers)",
+    "model_init_s": "model config + construction (storage uninitialised)",
     "weights_s": "weight read",
+    "weights_wait_s": "waiting for the weight read (a thread since 2026-11-30)",
     "tokenizer_s": "tokenizer",
     "activation_profile_s": "activation memory profile",
     "kv_cache_s": "KV cache allocation",

@@ -100,6 +100,12 @@ class Manifest:
     kernels: list[str]
     timings: dict[str, float]
     capture_sizes: list[int] = field(default_factory=list)
+    # The ModelConfig the build resolved (models.config.config_to_dict): a load rebuilds it
+    # from here without importing transformers' config classes. None in older artifacts.
+    model_config: dict | None = None
+    # The class AutoTokenizer gives for tokenizer/ (models.tokenizer.tokenizer_class_name),
+    # which a load then uses directly. None: no tokenizer, or an older artifact.
+    tokenizer_class: str | None = None
     # Set when the source needed conversion (GGUF): an HF directory inside the artifact.
     weights_path: str | None = None
     format: int = FORMAT_VERSION

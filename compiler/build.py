@@ -18,10 +18,16 @@ from compiler.artifact import Manifest, code_hash, device_description, model_fin
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
-from models.loader import export_hf_checkpoint, load_model
-from models.tokenizer import SAVED_DIR, load_tokenizer
+from models.config import config_to_dict
+from models.loader import LoadedModel, export_hf_checkpoint, load_model
+from models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
 
 log = logging.getLogger(__name__)
+
+# A step the caller adds to the build, run once the model is compiled, given the loaded model
+# and the artifact directory: how the runtime (which compiler/ never imports) stores what a
+# serve would otherwise measure at every first start (runtime/activation_profile.py).
+BuildStep = Callable[[LoadedModel, Path], None]
 
 CACHE_SUBDIR = "inductor-cache"
 WEIGHTS_SUBDIR = "weights"
@@ -47,6 +53,7 @@ def build_artifact(
     block_size: int = 16,
     passes: str | None = None,
     progress: Callable[[str, float], None] | None = None,
+    extra_steps: dict[str, BuildStep] | None = None,
 ) -> Manifest:
     """Compile `model` for `target` into the artifact directory `out`; return its manifest."""
     say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
@@ -110,15 +117,25 @@ def build_artifact(
         warm_up_s = runner.warmup_seconds
         say("warm-up", warm_up_s)
 
+    extra_s = {}
+    for name, step in (extra_steps or {}).items():
+        mark = time.perf_counter()
+        step(loaded, out)
+        extra_s[f"{name}_s"] = round(time.perf_counter() - mark, 2)
+        say(name, extra_s[f"{name}_s"])
+
     weights_path = None
     if loaded.source.kind == "gguf":
         # GGUF needs parsing and dequantisation at every load; the artifact keeps the result.
         export_hf_checkpoint(loaded.model, loaded.hf_config, out / WEIGHTS_SUBDIR)
         weights_path = WEIGHTS_SUBDIR
     tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path)
+    tokenizer_class = None
     if tokenizer is not None:
         tokenizer.clean_up_tokenization_spaces = False  # ignored for BPE; warns if left set
         tokenizer.save_pretrained(str(out / SAVED_DIR))
+        # What a load of the saved tokenizer resolves to, so that loads skip the resolving.
+        tokenizer_class = tokenizer_class_name(load_tokenizer("hf", out / SAVED_DIR))
 
     manifest = Manifest(
         model_path=str(loaded.source.path.resolve()),
@@ -143,11 +160,14 @@ def build_artifact(
         kernels=kernels,
         # CUDA graphs cannot be serialised: serve captures these sizes at start.
         capture_sizes=capture_sizes,
+        model_config=config_to_dict(cfg),
+        tokenizer_class=tokenizer_class,
         timings=dict(
             load_s=round(t_load, 2),
             trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),
             compile_s=round(stats.seconds - stats.pass_seconds, 2),
             warm_up_s=round(warm_up_s, 2),
+            **extra_s,
             total_s=round(time.perf_counter() - t0, 2),
         ),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -107,3 +109,54 @@ def config_from_hf(hf, config_cls: type[ModelConfig] = ModelConfig, **overrides)
     )
     values.update(overrides)
     return config_cls(**values)
+
+
+# -- a resolved config, stored in an artifact ----------------------------------------------------
+# A start from an artifact rebuilds its ModelConfig from what the build resolved instead of
+# asking transformers again: transformers' config classes import its modeling stack (their
+# docstring decorator loads the auto-model registry), 7 s of the H200's start-up at 3fb7708.
+# The artifact's model fingerprint covers config.json, so the stored values cannot go stale.
+
+
+def _encode(value):
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    return value
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        if set(value) == {"__dtype__"}:
+            return getattr(torch, value["__dtype__"])
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(v) for v in value["__tuple__"])
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def config_to_dict(config: ModelConfig) -> dict:
+    """JSON-safe form of a ModelConfig (or a family's subclass); `config_from_dict` inverts it
+    exactly, dtypes and tuples included."""
+    cls = type(config)
+    return {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "fields": {f.name: _encode(getattr(config, f.name)) for f in dataclasses.fields(config)},
+    }
+
+
+def config_from_dict(data: dict) -> ModelConfig:
+    module_name, _, name = data["class"].rpartition(".")
+    if not module_name.startswith("models."):
+        raise ValueError(f"{data['class']} is not a model config of this engine")
+    cls = getattr(importlib.import_module(module_name), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ModelConfig)):
+        raise ValueError(f"{data['class']} is not a model config of this engine")
+    return cls(**{k: _decode(v) for k, v in data["fields"].items()})

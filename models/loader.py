@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,15 +111,15 @@ def _safetensors_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory} has no *.safetensors weights")
 
 
-def _iter_safetensors(
-    files: list[Path], device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    # Reading straight onto the GPU avoids a pageable host copy of every tensor.
-    target = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
+    # Host tensors backed by the file's mapping; the parameter copy moves them to the device.
+    # Reading onto the GPU instead gives each tensor a temporary device buffer first, which the
+    # caching allocator keeps: while the engine reads weights on a thread, the free memory it
+    # sizes the KV pool from would then depend on how far the read had got.
     for file in files:
-        with safe_open(str(file), framework="pt", device=target) as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
@@ -240,7 +242,7 @@ def export_hf_checkpoint(model: nn.Module, hf_config, directory: Path) -> Path:
 class LoadedModel:
     model: nn.Module
     config: ModelConfig
-    hf_config: object
+    hf_config: object  # None when the config came from an artifact
     source: ModelSource
     dtype: torch.dtype
 
@@ -285,7 +287,26 @@ def load_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
 ) -> LoadedModel:
+    loaded, tensors = open_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    load_weights(loaded.model, tensors)
+    return loaded
+
+
+def open_model(
+    model: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+    config: ModelConfig | None = None,
+) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
+    """The model built with uninitialised storage, and the checkpoint's (name, tensor) pairs
+    that `load_weights` fills it from, not yet read: the engine reads them on a thread while
+    it compiles. A given `config` (an artifact's, resolved at build) is used instead of
+    asking transformers for one; `hf_config` is then None."""
     source = resolve_source(model)
+    device = torch.device(device)
+    hf_config = None
     if source.kind == "gguf":
         from models.gguf import GGUFCheckpoint
 
@@ -293,15 +314,48 @@ def load_model(
         hf_config = checkpoint.hf_config()
         config = model_class(hf_config.architectures).config_from_hf(hf_config)
         if dtype == "auto":
-            dtype = dequantized_dtype(torch.device(device))
+            dtype = dequantized_dtype(device)
         torch_dtype = resolve_dtype(dtype, config)
         tensors = checkpoint.tensors(torch.float32)
     else:
-        hf_config = read_hf_config(source.path)
-        config = model_class(hf_config.architectures).config_from_hf(hf_config)
+        if config is None:
+            hf_config = read_hf_config(source.path)
+            config = model_class(hf_config.architectures).config_from_hf(hf_config)
         torch_dtype = resolve_dtype(dtype, config)
-        tensors = _iter_safetensors(_safetensors_files(source.path), torch.device(device))
+        tensors = _iter_safetensors(_safetensors_files(source.path))
     max_positions = max(max_model_len or 0, config.max_position_embeddings)
     net = build_model(config, torch_dtype, device, max_positions)
-    load_weights(net, tensors)
-    return LoadedModel(net, config, hf_config, source, torch_dtype)
+    return LoadedModel(net, config, hf_config, source, torch_dtype), tensors
+
+
+class WeightRead:
+    """`load_weights` on a thread of its own, started at once; `wait()` joins it and raises
+    what it raised. While it runs, the model's parameters are allocated but being filled:
+    their addresses, shapes and dtypes are final (what tracing, compiling and sizing memory
+    need), their values are not. The read spends its time in file reads and copies that
+    release the GIL, so the caller's Python work (imports, the Dynamo trace) runs alongside."""
+
+    def __init__(self, model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.seconds = 0.0  # the read's own duration, set when it ends
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(model, tensors), name="weight-read", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        try:
+            load_weights(model, tensors)
+            param = next(model.parameters(), None)
+            if param is not None and param.device.type == "cuda":
+                torch.cuda.synchronize(param.device)  # the copies have landed: honest timing
+        except BaseException as exc:  # re-raised by wait(), in the caller's thread
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

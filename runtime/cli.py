@@ -84,6 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from compiler.build import build_artifact
+    from runtime.activation_profile import build_step
+    from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     def progress(stage: str, seconds: float) -> None:
         print(f"[build] {stage:<13} {seconds:7.1f} s", flush=True)
@@ -100,6 +102,16 @@ def _build(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         passes=args.passes,
         progress=progress,
+        # The KV pool's activation reserve for the step sizes of `serve` and of `LLM` with
+        # these settings, so that a first start finds it measured.
+        extra_steps={
+            "activation_profile": build_step(
+                [
+                    (args.max_num_batched_tokens, args.max_num_seqs),
+                    (OFFLINE_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs),
+                ]
+            )
+        },
     )
     c = manifest.compile
     print(

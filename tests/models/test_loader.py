@@ -8,6 +8,7 @@ checkpoint is wanted, edits that directory the way a user's checkpoint could be 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -307,3 +308,71 @@ def test_directory_without_config(llama_copy: Path) -> None:
     (llama_copy / "config.json").unlink()
     message = one_line_error(ModelNotFoundError, lambda: load_model(llama_copy))
     assert "config.json" in message
+
+
+# --------------------------------------------------------------------------- artifact config
+
+
+def _families() -> list[tuple[str, Callable[[str, Path], object]]]:
+    from tiny_deepseek import TINY_DEEPSEEK, make_tiny_deepseek
+    from tiny_moe import MOE_ARCHS, make_tiny_moe
+
+    return (
+        [(a, make_tiny_model) for a in TINY_ARCHS]
+        + [(a, make_tiny_moe) for a in MOE_ARCHS]
+        + [(a, make_tiny_deepseek) for a in TINY_DEEPSEEK]
+    )
+
+
+@pytest.mark.parametrize("arch,make", _families(), ids=[a for a, _ in _families()])
+def test_model_config_survives_the_artifact_round_trip(arch: str, make, tmp_path: Path) -> None:
+    """An artifact stores the ModelConfig the build resolved through transformers and a load
+    rebuilds it without transformers: it must come back equal, field by field and type by
+    type (a tuple that came back a list, or a dtype a string, would change the model)."""
+    from models.config import config_from_dict, config_to_dict
+    from models.loader import read_hf_config
+    from models.registry import model_class
+
+    make(arch, tmp_path)
+    hf = read_hf_config(tmp_path)
+    config = model_class(hf.architectures).config_from_hf(hf)
+    stored = json.loads(json.dumps(config_to_dict(config)))  # as the manifest holds it
+    back = config_from_dict(stored)
+    assert type(back) is type(config)
+    assert back == config
+    for field, value in zip(dataclasses.fields(config), dataclasses.astuple(back), strict=True):
+        assert type(value) is type(getattr(config, field.name)), field.name
+    # Built from either, the model has the same parameters and buffers.
+    from models.loader import open_model
+
+    loaded, _ = open_model(tmp_path, dtype="float32", config=back)
+    expected, _ = open_model(tmp_path, dtype="float32")
+    assert loaded.hf_config is None
+    assert {n: p.shape for n, p in loaded.model.named_parameters()} == {
+        n: p.shape for n, p in expected.model.named_parameters()
+    }
+    for (name, ours), (_, theirs) in zip(
+        loaded.model.named_buffers(), expected.model.named_buffers(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+
+
+def test_a_config_class_from_elsewhere_is_refused() -> None:
+    from models.config import config_from_dict
+
+    for name in ("os.PathLike", "models.loader.LoadedModel"):
+        with pytest.raises(ValueError, match="not a model config"):
+            config_from_dict({"class": name, "fields": {}})
+
+
+def test_a_failed_weight_read_on_its_thread_fails_the_engine_start(llama_copy: Path) -> None:
+    """The engine reads weights on a thread while it starts; what the read raises must reach
+    the caller as the same one-line error a plain load_model gives."""
+    from runtime import LLM
+
+    name = "model.layers.1.self_attn.k_proj.weight"
+    edit_weights(llama_copy, lambda t: t.pop(name))
+    message = one_line_error(
+        CheckpointError, lambda: LLM(str(llama_copy), target="cpu", enforce_eager=True)
+    )
+    assert name in message

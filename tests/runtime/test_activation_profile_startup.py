@@ -123,3 +123,46 @@ def test_an_unwritable_cache_still_measures(loaded, tmp_path):
     profile = CountingProfile()
     peak, cached = _start(loaded, blocker, profile)
     assert (peak, cached) == (2048 * 1000 + 256, False)
+
+
+def test_the_build_stores_what_a_start_from_the_artifact_looks_up(loaded, tmp_path, monkeypatch):
+    """`compile-engine build` measures the peaks (build_step) where and as a start from the
+    artifact looks them up (the engine's arguments), so a first start measures nothing."""
+    from compiler.artifact import code_hash
+    from compiler.build import CACHE_SUBDIR as ARTIFACT_CACHE
+
+    monkeypatch.setattr(activation_profile, "_profiled_at_start", lambda loaded: True)
+    monkeypatch.setattr(activation_profile, "device_description", lambda target: "H200")
+    profile = CountingProfile()
+    step = activation_profile.build_step([(2048, 256), (16384, 256), (2048, 256)], profile)
+    step(loaded, tmp_path)
+    assert profile.calls == 2  # each distinct step size once
+    for tokens in (2048, 16384):
+        # What LLMEngine passes for an artifact: its compile cache, the device, the code hash
+        # the manifest records (the build's).
+        peak = activation_profile.lookup(
+            loaded,
+            tokens,
+            256,
+            cache_dir=tmp_path / ARTIFACT_CACHE,
+            device_name="H200",
+            code=code_hash(),
+        )
+        assert peak == profile(loaded, tokens, 256)
+    assert (
+        activation_profile.lookup(
+            loaded,
+            4096,
+            256,
+            cache_dir=tmp_path / ARTIFACT_CACHE,
+            device_name="H200",
+            code=code_hash(),
+        )
+        is None
+    )
+
+
+def test_a_cpu_build_stores_no_profile(loaded, tmp_path):
+    profile = CountingProfile()
+    activation_profile.build_step([(2048, 256)], profile)(loaded, tmp_path)
+    assert profile.calls == 0 and not any(tmp_path.iterdir())
