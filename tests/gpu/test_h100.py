@@ -114,3 +114,29 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llama8b_4layers):
         ).float()
     cosine = torch.nn.functional.cosine_similarity(graphed, plain, dim=-1)
     assert cosine.min().item() >= 0.999, cosine
+
+
+def test_engine_reads_every_weight_while_it_compiles(llama8b_4layers):
+    """The engine reads the weights on a thread while it traces, compiles and captures CUDA
+    graphs (whose first calls compute on the half-read parameters): once ready, every
+    parameter must hold exactly what a plain load_model reads, nothing else running."""
+    from models.loader import load_model
+    from runtime import LLM
+
+    llm = LLM(
+        str(llama8b_4layers),
+        target="h100",
+        dtype="bfloat16",
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+    )
+    assert llm.engine.weights_read_s > 0 and "weights_wait_s" in llm.engine.timings
+    assert llm.engine.runner.graphs is not None
+    reference = dict(
+        load_model(llama8b_4layers, dtype="bfloat16", device="cuda").model.named_parameters()
+    )
+    ours = dict(llm.engine.loaded.model.named_parameters())
+    assert sorted(ours) == sorted(reference)
+    for name, param in ours.items():
+        assert torch.equal(param, reference[name]), name
