@@ -117,9 +117,9 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llama8b_4layers):
 
 
 def test_engine_reads_every_weight_while_it_compiles(llama8b_4layers):
-    """The engine reads the weights on a thread while it traces, compiles and captures CUDA
-    graphs (whose first calls compute on the half-read parameters): once ready, every
-    parameter must hold exactly what a plain load_model reads, nothing else running."""
+    """The engine reads the weights on a thread while it traces and compiles (the capture's
+    one real call computes on half-read parameters): once ready, every parameter must hold
+    exactly what a plain load_model reads with nothing else running."""
     from models.loader import load_model
     from runtime import LLM
 
