@@ -84,6 +84,7 @@ class BackendStats:
     trace_seconds: float = 0.0  # Dynamo, from the first call until it hands us the graph
     pass_seconds: float = 0.0
     seconds: float = 0.0  # passes + split + Inductor
+    before_first_run_seconds: float = 0.0  # in the caller's hook (waiting for the weights)
 
     @property
     def unique_pieces(self) -> int:
@@ -166,6 +167,10 @@ class PiecewiseBackend:
         self.stats = BackendStats()
         self.graph: fx.GraphModule | None = None
         self.capture_started: float | None = None  # set by the caller to time Dynamo
+        # Called once the pieces are compiled, before Dynamo runs the graph for the first time:
+        # the engine waits there for the weights it reads on a thread, so that the graph never
+        # computes on parameters not yet read.
+        self.before_first_run: Callable[[], None] | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         self.stats.compilations += 1
@@ -190,6 +195,9 @@ class PiecewiseBackend:
         ]
         _PieceCompiler(self, split, set(attention)).run(*fake_args)
         self.stats.seconds = time.perf_counter() - start
+        if self.before_first_run is not None:
+            self.before_first_run()
+            self.stats.before_first_run_seconds = time.perf_counter() - start - self.stats.seconds
         return split
 
 

@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -137,8 +138,12 @@ class CompiledForward:
         # should be an AOTAutograd hit, which implies an FX-graph hit and no compile.
         self.cache_stats: dict[str, int] = {}
 
-    def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Trace and compile now, on a dummy batch, so that no request pays for it."""
+    def capture(
+        self, kv_caches: list[torch.Tensor], before_first_run: Callable[[], None] | None = None
+    ) -> None:
+        """Trace and compile now, on a dummy batch, so that no request pays for it. Tracing and
+        compiling need the parameters' shapes and addresses only; `before_first_run` is called
+        between them and the graph's first run, which computes with their values."""
         device = kv_caches[0].device
         ids, positions, meta = dummy_batch(self.model.config.vocab_size, device)
         for t in (ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
@@ -162,12 +167,14 @@ class CompiledForward:
         before = _cache_counts()
         start = time.perf_counter()
         self.backend.capture_started = start
+        self.backend.before_first_run = before_first_run
         with (
             torch.inference_mode(),
             inductor_config.patch(unsafe_marked_cacheable_functions=marked),
             dynamo_config.patch(no_gc),
         ):
             self._fn(ids, positions, kv_caches, meta)
+        self.backend.before_first_run = None
         self.capture_seconds = time.perf_counter() - start
         after = _cache_counts()
         self.cache_stats = {name: after[name] - before[name] for name in after}
@@ -181,15 +188,18 @@ class CompiledForward:
     def capture_breakdown(self) -> dict[str, float]:
         """capture_seconds split into Dynamo's trace, the passes, loading or compiling the
         distinct pieces (Inductor), the rest of the backend (split, walking the pieces on
-        fake tensors) and what follows it (Dynamo's guards and code, the first real call)."""
+        fake tensors), the caller's `before_first_run` and what follows it (Dynamo's guards
+        and code, the first real call)."""
         stats = self.backend.stats
         pieces = sum(p.seconds for p in stats.pieces)
+        waited = stats.before_first_run_seconds
         return {
             "dynamo_trace_s": stats.trace_seconds,
             "passes_s": stats.pass_seconds,
             "pieces_s": pieces,
             "backend_other_s": stats.seconds - stats.pass_seconds - pieces,
-            "after_backend_s": self.capture_seconds - stats.trace_seconds - stats.seconds,
+            "before_first_run_s": waited,
+            "after_backend_s": self.capture_seconds - stats.trace_seconds - stats.seconds - waited,
         }
 
     @property

@@ -254,14 +254,28 @@ def build_model(
     max_positions: int | None = None,
 ) -> nn.Module:
     """Construct on the meta device, then give real (uninitialised) storage on `device`."""
+    model = build_on_meta(config, dtype, max_positions)
+    materialize(model, device)
+    return model
+
+
+def build_on_meta(
+    config: ModelConfig, dtype: torch.dtype, max_positions: int | None = None
+) -> nn.Module:
+    """The model with every parameter and buffer on the meta device: shapes, no storage."""
     cls = model_class([config.architecture])
     with torch.device("meta"):
         model = cls(config, max_positions)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    return model.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Give a meta model real, uninitialised storage on `device`, in place, and compute its
+    buffers (rope tables)."""
+    model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers()
-    return model.eval().requires_grad_(False)
 
 
 def dequantized_dtype(device: torch.device) -> torch.dtype:
@@ -299,11 +313,13 @@ def open_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     config: ModelConfig | None = None,
+    storage: bool = True,
 ) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
-    """The model built with uninitialised storage, and the checkpoint's (name, tensor) pairs
-    that `load_weights` fills it from, not yet read: the engine reads them on a thread while
-    it compiles. A given `config` (an artifact's, resolved at build) is used instead of
-    asking transformers for one; `hf_config` is then None."""
+    """The model built with uninitialised storage (on the meta device with `storage=False`:
+    `WeightRead` gives it storage), and the checkpoint's (name, tensor) pairs that
+    `load_weights` fills it from, not yet read: the engine reads them on a thread while it
+    compiles. A given `config` (an artifact's, resolved at build) is used instead of asking
+    transformers for one; `hf_config` is then None."""
     source = resolve_source(model)
     device = torch.device(device)
     hf_config = None
@@ -324,36 +340,64 @@ def open_model(
         torch_dtype = resolve_dtype(dtype, config)
         tensors = _iter_safetensors(_safetensors_files(source.path))
     max_positions = max(max_model_len or 0, config.max_position_embeddings)
-    net = build_model(config, torch_dtype, device, max_positions)
+    net = build_on_meta(config, torch_dtype, max_positions)
+    if storage:
+        materialize(net, device)
     return LoadedModel(net, config, hf_config, source, torch_dtype), tensors
 
 
 class WeightRead:
-    """`load_weights` on a thread of its own, started at once; `wait()` joins it and raises
-    what it raised. While it runs, the model's parameters are allocated but being filled:
-    their addresses, shapes and dtypes are final (what tracing, compiling and sizing memory
-    need), their values are not. The read spends its time in file reads and copies that
-    release the GIL, so the caller's Python work (imports, the Dynamo trace) runs alongside."""
+    """A meta model given storage on `device` and filled from `tensors` on a thread of its own,
+    started at once. `wait_for_storage()` returns once every parameter and buffer has its
+    storage on the device: addresses, shapes and dtypes final (what tracing, compiling and
+    sizing memory need), values not yet. `wait()` returns once the weights are read. Both
+    raise what the thread raised. The thread spends its time in allocation, file reads and
+    copies that release the GIL, so the caller's Python work (imports, the Dynamo trace) runs
+    alongside. On CUDA the copies go through a stream of their own, so that the caller's work
+    on the default stream (the capture's first call) does not queue behind them."""
 
-    def __init__(self, model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.seconds = 0.0  # the read's own duration, set when it ends
+    def __init__(
+        self,
+        model: nn.Module,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+    ) -> None:
+        self.seconds = 0.0  # the read's own duration (storage included), set when it ends
         self._error: BaseException | None = None
+        self._storage = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(model, tensors), name="weight-read", daemon=True
+            target=self._run, args=(model, tensors, device), name="weight-read", daemon=True
         )
         self._thread.start()
 
-    def _run(self, model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _run(
+        self, model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device
+    ) -> None:
         start = time.perf_counter()
         try:
-            load_weights(model, tensors)
-            param = next(model.parameters(), None)
-            if param is not None and param.device.type == "cuda":
-                torch.cuda.synchronize(param.device)  # the copies have landed: honest timing
-        except BaseException as exc:  # re-raised by wait(), in the caller's thread
+            # Allocated as the caller would, on the current stream: the caching allocator
+            # keeps blocks per stream, and parameters are never freed.
+            materialize(model, device)
+            self._storage.set()
+            if device.type == "cuda":
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))  # after the buffers
+                with torch.cuda.stream(stream):
+                    load_weights(model, tensors)
+                stream.synchronize()  # the copies have landed: done means done
+            else:
+                load_weights(model, tensors)
+        except BaseException as exc:  # re-raised by the waits, in the caller's thread
             self._error = exc
         finally:
+            self._storage.set()
             self.seconds = time.perf_counter() - start
+
+    def wait_for_storage(self) -> None:
+        self._storage.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
 
     def wait(self) -> None:
         self._thread.join()

@@ -189,16 +189,17 @@ class LLMEngine:
                 device=device,
                 max_model_len=config.max_model_len,
                 config=config_from_dict(stored) if stored else None,
+                storage=False,
             )
             self.timings["model_init_s"] = time.perf_counter() - mark
-            # The weights are read on a thread while this one loads the tokenizer, allocates
-            # the KV cache, traces and compiles: all of that needs the parameters' addresses,
-            # shapes and dtypes, not their values (the compiled forward's first call computes
-            # with whatever they hold and its result is dropped; it writes only the scratch
-            # KV block). Joined before anything whose result depends on the values or that a
-            # concurrent copy would break: measuring the activation profile, capturing CUDA
-            # graphs, and the end of start-up.
-            self._weights = WeightRead(loaded.model, tensors)
+            # The model gets its storage and weights on a thread while this one loads the
+            # tokenizer, imports the compiler, allocates the KV cache, traces and compiles.
+            # Sizing the KV pool needs the parameters allocated (it reads the free memory),
+            # tracing and compiling need their addresses, shapes and dtypes, not their values.
+            # The read is joined before anything computes with the values or a concurrent
+            # copy would break it: measuring the activation profile, the captured graph's
+            # first run, capturing CUDA graphs; and at the end of start-up.
+            self._weights = WeightRead(loaded.model, tensors, device)
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = self._max_model_len(loaded.config, config.max_model_len)
@@ -207,6 +208,14 @@ class LLMEngine:
         saved_class = self.manifest.tokenizer_class if self.manifest is not None else None
         self.tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path, saved, saved_class)
         self.timings["tokenizer_s"] = time.perf_counter() - mark
+        self.compiled: CompiledForward | None = None
+        if not config.enforce_eager:
+            # Imports Dynamo and Inductor (seconds), while the model gets its storage.
+            mark = time.perf_counter()
+            compile_config = CompileConfig(target=config.target, passes=passes, cache_dir=cache_dir)
+            self.compiled = CompiledForward(loaded.model, compile_config, loaded.dtype)
+            self.timings["compiler_init_s"] = time.perf_counter() - mark
+        self._wait_for_weights(storage_only=True)
         reserve = 0
         self.activation_profile_cached = False
         if device.type == "cuda" and config.num_kv_blocks is None:
@@ -225,7 +234,7 @@ class LLMEngine:
             self.activation_profile_cached = peak is not None
             self.timings["activation_profile_s"] = time.perf_counter() - mark
             if peak is None:
-                self._join_weights()
+                self._wait_for_weights()
                 mark = time.perf_counter()
                 peak, _ = activation_bytes(*sizes, **key)
                 self.timings["activation_profile_s"] += time.perf_counter() - mark
@@ -257,16 +266,17 @@ class LLMEngine:
             seed=config.seed,
         )
         self.timings["kv_cache_s"] = time.perf_counter() - mark
-        self.compiled: CompiledForward | None = None
-        if not config.enforce_eager:
+        if self.compiled is not None:
             mark = time.perf_counter()
-            compile_config = CompileConfig(target=config.target, passes=passes, cache_dir=cache_dir)
-            self.compiled = CompiledForward(loaded.model, compile_config, loaded.dtype)
-            self.compiled.capture(self.runner.kv_caches)
-            self.timings["compile_s"] = time.perf_counter() - mark
+            # The first run of the captured graph waits for the weights: a forward on
+            # parameters not yet read could leave NaN in the KV cache's scratch block (which
+            # padding reads, masked) or, on CUDA, index out of range.
+            self.compiled.capture(self.runner.kv_caches, before_first_run=self._wait_for_weights)
+            waited = self.compiled.backend.stats.before_first_run_seconds
+            self.timings["compile_s"] = time.perf_counter() - mark - waited
             self.runner.forward = self.compiled
             if self._graphs_possible():
-                self._join_weights()  # another thread's copies would break the capture
+                self._wait_for_weights()  # another thread's copies would break the capture
                 mark = time.perf_counter()
                 self.runner.graphs = CUDAGraphRunner(
                     self.compiled,
@@ -280,7 +290,7 @@ class LLMEngine:
                 )
                 self.runner.graphs.capture()
                 self.timings["cuda_graphs_s"] = time.perf_counter() - mark
-        self._join_weights()
+        self._wait_for_weights()
         # Start-up leaves millions of long-lived objects (modules, Dynamo and Inductor state);
         # a full collection traverses them all and stalls a step by tens of milliseconds (a
         # 0.34 s excess over 127 decode steps at batch 256 on the H200). Freezing moves them
@@ -314,16 +324,21 @@ class LLMEngine:
             torch.cuda.synchronize(device)
             self.timings["cuda_init_s"] = time.perf_counter() - mark
 
-    def _join_weights(self) -> None:
-        """Wait for the weight read, if one runs; the wait is a phase of its own."""
+    def _wait_for_weights(self, storage_only: bool = False) -> None:
+        """Wait for the weight read (or, `storage_only`, for the model's storage), if one
+        runs; waiting is a phase of its own."""
         if self._weights is None:
             return
         mark = time.perf_counter()
-        self._weights.wait()
+        if storage_only:
+            self._weights.wait_for_storage()
+        else:
+            self._weights.wait()
         waited = time.perf_counter() - mark
         self.timings["weights_wait_s"] = self.timings.get("weights_wait_s", 0.0) + waited
-        self.weights_read_s = self._weights.seconds
-        self._weights = None
+        if not storage_only:
+            self.weights_read_s = self._weights.seconds
+            self._weights = None
 
     def _graphs_possible(self) -> bool:
         """CUDA graphs need a device and a graph without host synchronisation: no op left on

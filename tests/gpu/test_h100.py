@@ -117,9 +117,9 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llama8b_4layers):
 
 
 def test_engine_reads_every_weight_while_it_compiles(llama8b_4layers):
-    """The engine reads the weights on a thread while it traces and compiles (the capture's
-    one real call computes on half-read parameters): once ready, every parameter must hold
-    exactly what a plain load_model reads with nothing else running."""
+    """The engine allocates and reads the weights on a thread (their copies on a stream of
+    their own) while it traces and compiles: once ready, every parameter must hold exactly
+    what a plain load_model reads with nothing else running."""
     from models.loader import load_model
     from runtime import LLM
 
