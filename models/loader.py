@@ -354,7 +354,8 @@ class WeightRead:
     raise what the thread raised. The thread spends its time in allocation, file reads and
     copies that release the GIL, so the caller's Python work (imports, the Dynamo trace) runs
     alongside. On CUDA the copies go through a stream of their own, so that the caller's work
-    on the default stream (the capture's first call) does not queue behind them."""
+    on the default stream does not queue behind them; being blocking copies, they convert
+    dtypes on the host and allocate nothing on the device."""
 
     def __init__(
         self,
