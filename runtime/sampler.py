@@ -269,9 +269,11 @@ def apply_top_k_top_p(
         return
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [S, V], mass of better tokens
-    # A token is in the nucleus while the tokens before it have not reached top_p yet. The
-    # count is >= 1 because mass_before[:, 0] == 0 < top_p.
-    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)  # [S, 1]
+    # A token is in the nucleus while the tokens before it have not reached top_p yet: at
+    # least the first, since mass_before[:, 0] == 0 < top_p, unless top_p itself rounds to 0
+    # in float32 (a float64 denormal such as 2.2e-313 passes the API's > 0 check), hence the
+    # clamp: the nucleus always keeps the most likely token.
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min_(1)  # [S, 1]
     threshold = sorted_logits.gather(1, num_kept - 1)  # [S, 1]
     logits.masked_fill_(logits < threshold, float("-inf"))
 

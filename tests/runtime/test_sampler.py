@@ -123,6 +123,15 @@ def test_top_p_keeps_the_top_token_and_ties_at_the_boundary() -> None:
     assert kept(logits).tolist() == [[True, True, True, True], [True, False, False, False]]
 
 
+def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token() -> None:
+    # 2.2e-313 > 0 passes the API's check but is 0.0 as float32 (the fuzz test's find): the
+    # nucleus then held no token and the gather read index -1.
+    params = [SamplingParams(temperature=1.0, top_p=2.2250738585e-313, seed=1)]
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.2, 0.1]]))
+    out = Sampler()(logits, make_batch(params, vocab_size=4))
+    assert out.token_ids.tolist() == [1]
+
+
 def test_min_p_matches_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(16, V, generator=gen) * 2, dim=-1)
