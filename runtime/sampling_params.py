@@ -9,13 +9,18 @@ class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range; the message names it and the allowed range."""
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Mirrors vLLM's SamplingParams for the fields this engine supports.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k. max_tokens None means "until
-    max_model_len". Logprobs are those of the model's distribution (before penalties and
-    temperature), the chosen token's plus the `logprobs` most likely ones.
+    temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (as vLLM): the
+    logits divided by 1e-40, which is 0 in float32, would be inf and NaN. top_k 0 or -1
+    disables top-k. max_tokens None means "until max_model_len". Logprobs are those of the
+    model's distribution (before penalties and temperature), the chosen token's plus the
+    `logprobs` most likely ones.
     """
 
     n: int = 1
@@ -82,7 +87,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_output_history(self) -> bool:

@@ -132,6 +132,16 @@ def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token() -> None:
     assert out.token_ids.tolist() == [1]
 
 
+@pytest.mark.parametrize("temperature", [2.2250738585e-313, 1e-40, 1e-6])
+def test_a_temperature_too_small_for_float32_samples_greedily(temperature: float) -> None:
+    # logits / temperature overflowed to inf (or divided by a float32 0): NaN probabilities,
+    # and the race then picked token 0 instead of the most likely one.
+    params = [SamplingParams(temperature=temperature, seed=1)]
+    assert params[0].greedy
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.2, 0.1]]))
+    assert Sampler()(logits, make_batch(params, vocab_size=4)).token_ids.tolist() == [1]
+
+
 def test_min_p_matches_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(16, V, generator=gen) * 2, dim=-1)
