@@ -1,20 +1,26 @@
 #!/bin/bash
 # The decode and offline rows of issue 7 on the H200, as the results in benchmarks/results were
-# made: the paged-attention GPU tests, then `bench latency` (batch 1/64/256), `bench
-# throughput` (1000 x 512/256, LLM's default token budget) and `bench breakdown --kernels`
-# (batch 1/64/256) on a Llama-3-8B-shaped random model made on the device.
+# made: the decode kernels' GPU tests and tests/gpu/test_h100.py, then `bench latency` (batch
+# 1/64/256, HF eager in the same run), `bench throughput` (1000 x 512/256, LLM's default token
+# budget) and `bench breakdown --kernels` (batch 1/64/256) on a Llama-3-8B-shaped random model
+# made on the device.
 #   device call: carry [".whl"], command `bash scripts/device/decode_bench.sh <commit>`
-# (.whl from ../shared/tools/device-wheels.sh). JSON lands in $OUT/r. About 6 minutes.
+# (.whl from ../shared/tools/device-wheels.sh). JSON lands in $OUT/r. About 6 minutes (at
+# e3edd31: 3.4 minutes up to the throughput run, the breakdown about 30 s more).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 mkdir -p $OUT/r
 T0=$(date +%s)
 [ -d /tmp/l3 ] || (python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda 2>&1 | tail -1) &
-timeout 120 python3 -m pytest tests/kernels/test_paged_attention.py -m gpu -q -p no:cacheprovider 2>&1 | tail -2
+timeout 90 python3 -m pytest tests/kernels/test_paged_attention.py tests/kernels/test_skinny_gemm.py \
+  tests/kernels/test_argmax.py -m gpu -q -p no:cacheprovider 2>&1 | tail -2
 echo "== kernel tests at $(( $(date +%s) - T0 )) s"
+timeout 100 python3 -m pytest tests/gpu/test_h100.py tests/passes/test_skinny_gemm_pass.py -m gpu -q \
+  -p no:cacheprovider 2>&1 | tail -2
+echo "== h100 tests at $(( $(date +%s) - T0 )) s"
 wait
 L3="--model /tmp/l3 --target h100 --dtype bfloat16 --results-dir $OUT/r"
-timeout 240 python3 -m benchmarks latency $L3 --batch-sizes 1,64,256 --num-iters 2 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -6
+timeout 260 python3 -m benchmarks latency $L3 --batch-sizes 1,64,256 --num-iters 2 --hf-reference 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -6
 echo "== latency at $(( $(date +%s) - T0 )) s"
 timeout 200 python3 -m benchmarks throughput $L3 2>&1 | tee $OUT/throughput.log | grep -v Warn | tail -4
 echo "== throughput at $(( $(date +%s) - T0 )) s"
