@@ -38,6 +38,8 @@ import json, sys, time
 spawned_at = float(sys.argv[3])
 started_at = time.time()
 t0 = time.perf_counter()
+from runtime import bytecode_cache
+bytecode_cache.enable()  # as compile-engine serve does before its imports
 from runtime import LLM
 t_import = time.perf_counter() - t0
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))

@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from runtime import bytecode_cache
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The LLM(...) settings, shared by every subcommand that runs a model."""
@@ -241,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Before torch and the compiler are imported: an install without bytecode would compile
+    # their ~2,700 modules from source at every start (runtime/bytecode_cache.py).
+    if (prefix := bytecode_cache.enable()) is not None:
+        logging.getLogger(__name__).info("Python bytecode cached under %s", prefix)
     from compiler.artifact import ArtifactError
     from compiler.config import CompileConfigError
     from models.errors import ModelError
