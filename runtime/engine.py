@@ -50,6 +50,10 @@ class EngineConfig:
     target: str | None = None  # cpu | h100; None picks h100 when CUDA is present
     block_size: int = 16
     num_kv_blocks: int | None = None
+    # How many max_model_len sequences the default KV pool is sized for (num_kv_blocks unset);
+    # None: max_num_seqs. One-shot uses that know their requests (`compile-engine generate`)
+    # pass fewer: on CPU the default pool is 4 GiB, zero-filled at start.
+    kv_pool_sequences: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -80,6 +84,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        pool = self.kv_pool_sequences
+        if pool is not None and (not isinstance(pool, int) or pool < 1):
+            raise EngineConfigError(
+                f"kv_pool_sequences={pool!r} is invalid: must be an integer >= 1"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -244,7 +253,7 @@ class LLMEngine:
             loaded,
             config.block_size,
             device,
-            self.max_model_len * config.max_num_seqs,
+            self.max_model_len * (config.kv_pool_sequences or config.max_num_seqs),
             reserve,
         )
         self.scheduler = Scheduler(

@@ -1,0 +1,63 @@
+"""The default KV pool's size: max_num_seqs sequences of max_model_len, or kv_pool_sequences of
+them when a caller knows its requests (`compile-engine generate` serves one)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_tiny_model
+
+from runtime import SamplingParams
+from runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama-pool")
+    make_tiny_model("llama", directory)
+    return directory
+
+
+def _engine(directory, **kwargs) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory), dtype="float32", target="cpu", enforce_eager=True,
+            max_model_len=64, max_num_seqs=8, **kwargs,
+        )
+    )  # fmt: skip
+
+
+def test_the_pool_holds_the_sequences_it_is_sized_for(tiny_dir):
+    # 64 tokens are 4 blocks of 16, plus the scratch block 0.
+    assert _engine(tiny_dir).scheduler.config.num_blocks == 8 * 4 + 1
+    one = _engine(tiny_dir, kv_pool_sequences=1)
+    assert one.scheduler.config.num_blocks == 4 + 1
+    # ... and a request of the full length still runs in it.
+    one.add_request("r", list(range(1, 40)), SamplingParams(temperature=0, max_tokens=24))
+    while one.has_unfinished_requests():
+        one.step()
+    one.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_a_bad_pool_size_is_refused(tiny_dir, bad):
+    with pytest.raises(EngineConfigError, match="kv_pool_sequences"):
+        _engine(tiny_dir, kv_pool_sequences=bad)
+
+
+def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monkeypatch):
+    import runtime.engine
+    from runtime import cli
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(config):
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr(runtime.engine, "LLMEngine", fake_engine)
+    with pytest.raises(Stop):
+        cli.main(["generate", str(tiny_dir), "hi", "--target", "cpu", "--enforce-eager"])
+    assert seen[0].kv_pool_sequences == 1 and seen[0].num_kv_blocks is None
