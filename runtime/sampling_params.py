@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -56,8 +57,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -68,8 +69,8 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

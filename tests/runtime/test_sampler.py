@@ -142,6 +142,18 @@ def test_a_temperature_too_small_for_float32_samples_greedily(temperature: float
     assert Sampler()(logits, make_batch(params, vocab_size=4)).token_ids.tolist() == [1]
 
 
+@pytest.mark.parametrize(
+    "field", [{"temperature": float("nan")}, {"temperature": float("inf")},
+              {"repetition_penalty": float("nan")}, {"repetition_penalty": float("inf")}],
+)  # fmt: skip
+def test_non_finite_temperature_and_repetition_penalty_are_refused(field: dict) -> None:
+    # NaN passed the range checks (every comparison with NaN is false) and sampled token 0.
+    from runtime.sampling_params import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams, match="finite"):
+        SamplingParams(**field)
+
+
 def test_min_p_matches_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(16, V, generator=gen) * 2, dim=-1)
