@@ -31,6 +31,7 @@ from kernels_generated.timing import graph_us
 
 CHUNK = 2048  # 4 KB of bf16 a program: 63 programs a row for Llama-3's vocabulary
 _MAX_CHUNKS = 1024  # stage 2 reads a row's partials in one block
+MAX_VOCAB = _MAX_CHUNKS * CHUNK  # the longest row the kernel takes; the sampler checks it
 
 
 class ArgmaxKernelError(RuntimeError):
@@ -87,9 +88,9 @@ def argmax_triton(logits: Tensor) -> Tensor:
         raise ArgmaxKernelError("the vocabulary dimension must be contiguous (stride 1)")
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
-    if vocab == 0 or num_chunks > _MAX_CHUNKS:
+    if vocab == 0 or vocab > MAX_VOCAB:
         raise ArgmaxKernelError(
-            f"vocabulary of {vocab} is outside 1..{_MAX_CHUNKS * CHUNK}; use torch.argmax"
+            f"vocabulary of {vocab} is outside 1..{MAX_VOCAB}; use torch.argmax"
         )
     if logits.device.type == "cpu" and not INTERPRETED:
         raise ArgmaxKernelError("on CPU the kernel needs TRITON_INTERPRET=1; use torch.argmax")

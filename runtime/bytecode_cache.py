@@ -7,12 +7,13 @@ PYTHONDONTWRITEBYTECODE set), every start compiles every module again. On the le
 start compiled 2,917 sources (8.6 s under cProfile) and `import torch` took 3.8 s, against
 1.1 s on a machine whose install has its bytecode.
 
-`enable()` then points Python's bytecode cache (`sys.pycache_prefix`, Python 3.8+) at a
-directory beside the engine's compile cache, so the first start writes the bytecode there and
-later starts read it. It must run before the heavy imports: the CLI calls it first thing.
-Nothing happens when torch's bytecode is already where Python looks for it, when the user set
-a prefix of their own, or with COMPILE_ENGINE_BYTECODE_CACHE=0. Standard library only: it runs
-before torch is imported.
+`enable()` then points Python's bytecode cache (`sys.pycache_prefix`, Python 3.8+) at
+`pycache/` in the engine's compile cache (compiler.config.default_cache_dir), so the first
+start writes the bytecode there and later starts read it. It must run before the heavy
+imports: the CLI calls it first thing. Nothing happens when torch's bytecode is already where
+Python looks for it, when the user set a prefix of their own, or with
+COMPILE_ENGINE_BYTECODE_CACHE=0. It imports only the standard library and compiler.config
+(torch-free at import): it runs before torch is imported.
 """
 
 from __future__ import annotations
@@ -23,14 +24,6 @@ import sys
 from pathlib import Path
 
 ENV_SWITCH = "COMPILE_ENGINE_BYTECODE_CACHE"
-
-
-def _default_root() -> Path:
-    # Beside compiler.config.default_cache_dir() (not imported: compiler/ pulls in torch).
-    if override := os.environ.get("COMPILE_ENGINE_CACHE_DIR"):
-        return Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "compile-engine"
 
 
 def needed(probe: str = "torch") -> bool:
@@ -56,7 +49,11 @@ def enable(root: Path | None = None, probe: str = "torch") -> Path | None:
         return None
     if not needed(probe):
         return None
-    prefix = (root or _default_root()) / "pycache"
+    if root is None:
+        from compiler.config import default_cache_dir  # torch-free at import
+
+        root = default_cache_dir()
+    prefix = root / "pycache"
     try:
         prefix.mkdir(parents=True, exist_ok=True)
     except OSError:

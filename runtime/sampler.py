@@ -39,8 +39,6 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 
-ARGMAX_KERNEL_MAX_VOCAB = 2**21  # kernels_generated.argmax's limit (1024 pieces of 2048)
-
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -188,10 +186,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """First index of each row's maximum. On CUDA a two-launch Triton kernel
     (kernels_generated/argmax.py): torch's reduction gives a row to one thread block, 36 us
     for a batch-1 row of Llama-3's 128k vocabulary on the H200."""
-    if logits.is_cuda and logits.shape[-1] <= ARGMAX_KERNEL_MAX_VOCAB:
-        from kernels_generated.argmax import argmax_triton
+    if logits.is_cuda:
+        from kernels_generated.argmax import MAX_VOCAB, argmax_triton
 
-        return argmax_triton(logits)
+        if logits.shape[-1] <= MAX_VOCAB:
+            return argmax_triton(logits)
     return logits.argmax(dim=-1)
 
 

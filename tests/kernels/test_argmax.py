@@ -73,9 +73,6 @@ def test_gpu_bf16_llama3_vocabulary(rows):
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
-def test_sampler_sends_only_vocabularies_the_kernel_takes():
-    from runtime.sampler import ARGMAX_KERNEL_MAX_VOCAB
-
-    assert ARGMAX_KERNEL_MAX_VOCAB == k._MAX_CHUNKS * k.CHUNK
+def test_a_vocabulary_past_the_kernels_limit_is_refused():
     with pytest.raises(k.ArgmaxKernelError, match="outside"):
-        k.argmax_triton(torch.zeros(1, ARGMAX_KERNEL_MAX_VOCAB + 1))
+        k.argmax_triton(torch.zeros(1, k.MAX_VOCAB + 1))
