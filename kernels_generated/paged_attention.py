@@ -81,6 +81,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from kernels_generated.counters import arrival_counters
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref
 
@@ -726,24 +727,15 @@ def choose_num_splits(
     return max(splits, 1)
 
 
-_counters: dict[torch.device, Tensor] = {}
 _MIN_COUNTERS = 4096  # more than any automatic choice needs (T x Hkv below the SM count)
 
 
 def _split_counters(device: torch.device, size: int) -> Tensor:
-    """The fused split reduction's arrival counters, one per (token, KV head): zero
-    between launches (the program that combines zeroes its counter again), so one buffer per
-    device serves every launch, captured or not."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < size:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise PagedAttentionKernelError(
-                f"split-KV for {size} (token, head group) pairs needs its counters allocated "
-                "before CUDA-graph capture: run the same call once outside the capture first"
-            )
-        counters = torch.zeros(max(size, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _counters[device] = counters
-    return counters
+    """The fused split reduction's arrival counters, one per (token, KV head)
+    (kernels_generated/counters.py)."""
+    return arrival_counters(
+        "paged_attention", device, max(size, _MIN_COUNTERS), PagedAttentionKernelError
+    )
 
 
 @functools.cache

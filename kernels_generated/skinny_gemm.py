@@ -60,6 +60,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
+from kernels_generated.counters import arrival_counters
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +169,9 @@ INTERPRETED = not isinstance(_skinny_gemm_kernel, JITFunction)
 # --------------------------------------------------------------------------- launcher
 
 
-@functools.cache
 def _counters(device: torch.device) -> Tensor:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise SkinnyGemmError(
-            "the first skinny GEMM on a device ran inside a CUDA-graph capture, where its "
-            "split-K counters cannot be allocated: run one eager call (a warm-up) first"
-        )
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    """The split-K arrival counters, one per output tile (kernels_generated/counters.py)."""
+    return arrival_counters("skinny_gemm", device, MAX_TILES, SkinnyGemmError)
 
 
 def _validate(x: Tensor, w: Tensor) -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kernels_generated import paged_attention as pa
+from kernels_generated.counters import ALLOCATED
 from models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def test_fused_split_reduce_leaves_counters_zero():
     # the next launch (the next layer, a graph replay) finds every counter at zero.
     batch = pa.make_batch([1, 1], [70, 40], block_size=4)
     first = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), num_splits=4)
-    counters = pa._counters[batch.q.device]
+    counters = ALLOCATED[("paged_attention", batch.q.device)]
     assert int(counters.abs().sum()) == 0
     second = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), num_splits=4)
     assert torch.equal(first, second)
