@@ -38,6 +38,7 @@ _KERNEL_KINDS = (
     ("attention", ("paged_attention", "reduce_splits", "mla_")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("rotary", ("rotary",)),
+    ("elementwise (our kernels)", ("silu_and_mul", "rms_norm")),
     ("sampling", ("argmax", "reduce_kernel", "softmax", "topk", "sort")),
     ("copies", ("memcpy", "memset")),
     ("fused elementwise (Inductor)", ("triton_",)),

@@ -5,12 +5,15 @@ down_proj) that no earlier pass claimed: silu_and_mul_helion is registered first
 selected the Helion kernel wins. Emits: `ce_kernels.silu_and_mul`, an opaque custom op with the
 same schema, launch configs per shape class from configs/silu_and_mul.json. Applies on h100.
 
-Off by default: it does not beat Inductor's own fusion of the reference at every token count.
-`bench fusions` on the H200, I = 14336 in bf16, CUDA-graph replay, two runs: x1.02 / x1.11 /
-x1.23 / x0.97 and x0.98 / x1.25 / x1.70 / x1.29 over Inductor at T = 1 / 64 / 256 / 2048
-(1.21 against 1.24 us at one token, the launch floor; 43.4 us at 2048 tokens against
-Inductor's 42.1 and 56.3 us in the two runs). Select it with `--passes +silu_and_mul_triton`
-(docs/compiler.md).
+On by default on h100 since the engine measured it: `bench breakdown --kernels` on the H200
+(Llama-3-8B shape, bf16, the whole model as one CUDA graph, the gate_up output fresh from its
+GEMM; at 5e4bab7 plus the paged-attention own-key change) timed this kernel at 50.9 / 73.3 /
+195.7 us a step (32 layers) against 49.3 / 95.5 / 286.4 for Inductor's fusion of the
+reference at batch 1 / 64 / 256, and the graph's replay at 4.139 / 4.452 / 7.700 ms against
+4.163 / 4.487 / 7.742. Alone (`bench fusions`, I = 14336, bf16, CUDA-graph replay, two runs,
+the input left in L2 by the previous call) it was x1.02 / x1.11 / x1.23 / x0.97 and x0.98 /
+x1.25 / x1.70 / x1.29 over Inductor at T = 1 / 64 / 256 / 2048.
+`--passes -silu_and_mul_triton` leaves the op to Inductor (docs/compiler.md).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from passes.registry import register
 @register
 class SiluAndMulTriton(GraphPass):
     name = "silu_and_mul_triton"
-    description = "silu_and_mul -> plain Triton kernel (off: ties Inductor)"
+    description = "silu_and_mul -> plain Triton kernel"
     targets = ("h100",)
-    default_on = False
+    default_on = True
     kernel_files = (
         "kernels_generated/silu_and_mul.py",
         "kernels_generated/configs/silu_and_mul.json",

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 import kernels_generated.paged_attention as pa  # noqa: E402
+from kernels_generated.counters import ALLOCATED  # noqa: E402
 from models.ops import paged_attention_ref  # noqa: E402
 
 LLAMA8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -36,6 +37,8 @@ WIDTH = 1024  # block-table columns: a 16k-token model
 CANDIDATES = [
     (32, 2, 2), (32, 2, 3), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 2, 3), (64, 4, 2),
     (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (16, 2, 2),
+    # Unpipelined: more programs resident an SM (short contexts are bound by per-program latency)
+    (32, 2, 1), (32, 1, 1), (64, 2, 1), (64, 4, 1), (128, 4, 1), (16, 1, 1),
 ]  # fmt: skip
 
 
@@ -48,7 +51,9 @@ def use(cfg: dict | None, fused: bool = True) -> None:
     """Run every launch with cfg (None: the kernel file's own table)."""
     pa.decode_config = ORIGINAL if cfg is None else (lambda num_tokens, device: cfg)
     pa._FUSED_REDUCE = fused
-    pa._counters.clear()  # fresh zeroed counters: a faulty config must not spoil the next
+    # Fresh zeroed counters: a faulty config must not spoil the next.
+    for key in [k for k in ALLOCATED if k[0] == "paged_attention"]:
+        del ALLOCATED[key]
 
 
 ORIGINAL = pa.decode_config

@@ -54,11 +54,12 @@ def test_helion_pass_claims_first(graph):
     assert manager.match_counts == {"silu_and_mul_helion": LAYERS, "silu_and_mul_triton": 0}
 
 
-def test_off_by_default_and_selectable():
-    # Off: it ties Inductor's fusion of the reference on the H200 (docs/compiler.md).
-    assert "silu_and_mul_triton" not in [p.name for p in select(None)]
-    chosen = [p.name for p in select("+silu_and_mul_triton")]
+def test_on_by_default_and_deselectable():
+    # On: in the engine it beats Inductor's fusion of the reference on the H200 (the pass's
+    # docstring); it must run before lower_to_reference takes the op.
+    chosen = [p.name for p in select(None)]
     assert chosen.index("silu_and_mul_triton") < chosen.index("lower_to_reference")
+    assert "silu_and_mul_triton" not in [p.name for p in select("-silu_and_mul_triton")]
 
 
 @pytest.mark.interpreted_child("TRITON_INTERPRET")
