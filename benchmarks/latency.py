@@ -46,6 +46,7 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.results import write_result
+from benchmarks.telemetry import GpuSampler
 from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
@@ -205,7 +206,8 @@ def bench_latency(
     for b in batch_sizes:
         for warmup in prompts[b][:num_warmup]:
             run_once(llm, warmup, params, device)
-        runs = [run_once(llm, measured, params, device) for measured in prompts[b][num_warmup:]]
+        with GpuSampler(device) as gpu:
+            runs = [run_once(llm, m, params, device) for m in prompts[b][num_warmup:]]
         tok_s = statistics.median(r["decode_tok_s"] for r in runs)
         step_bytes = weights + b * mean_context * kv_token
         roofline = b * copy_rate / step_bytes
@@ -216,6 +218,7 @@ def bench_latency(
             "bytes_per_step": step_bytes,
             "roofline_tok_s": roofline,
             "roofline_pct": 100 * tok_s / roofline,
+            "gpu": gpu.summary,  # clocks and power through the measured runs
             "runs": runs,
         }
         payload[f"decode_bs{b}_tok_s"] = tok_s

@@ -259,6 +259,17 @@ def _engine_line(r: dict) -> str:
     return text
 
 
+def _gpu_cell(g: dict) -> str:
+    """benchmarks.telemetry's summary in a table cell."""
+    if not g.get("samples"):
+        return g.get("error", "—")
+    clock, power = g["sm_clock_mhz"], g["power_w"]
+    return (
+        f"SM {clock['median']:,.0f} MHz median ({clock['min']:,}-{clock['max']:,}), "
+        f"{power['median']:,.0f} W median, power-capped {g['power_capped_fraction']:.0%}"
+    )
+
+
 def _details(r: dict) -> list[str]:
     kind = _kind(r)
     lines = [f"### {kind} (`{r['_file']}`)", "", _model_line(r), ""]
@@ -281,6 +292,9 @@ def _details(r: dict) -> list[str]:
         header = ["batch", "decode tok/s", "ms/step", "roofline tok/s", "of roofline", "prefill s"]
         if hf:
             header += ["HF eager tok/s (same run)", "ours / HF"]
+        gpu = any("samples" in x.get("gpu", {}) for x in r["batches"].values())
+        if gpu:
+            header += ["GPU during the runs"]
         rows = []
         for b, x in r["batches"].items():
             row = [
@@ -295,22 +309,24 @@ def _details(r: dict) -> list[str]:
                 theirs = x["hf_decode_tok_s"]
                 ratio = f"{x['decode_tok_s'] / theirs:.2f}x" if theirs > 0 else "—"
                 row += [_fmt(theirs), ratio]
+            if gpu:
+                row.append(_gpu_cell(x.get("gpu", {})))
             rows.append(row)
         lines += _table(header, rows)
     elif kind == "throughput":
-        lines += _table(
-            ["requests", "in / out", "elapsed s", "req/s", "output tok/s", "total tok/s"],
-            [
-                [
-                    str(r["num_requests"]),
-                    f"{r['input_len']} / {r['output_len']} (+-{r['range_ratio']:.0%})",
-                    _fmt(r["elapsed_s"]),
-                    _fmt(r["requests_per_s"]),
-                    _fmt(r["output_tok_s"]),
-                    _fmt(r["total_tok_s"]),
-                ]
-            ],
-        )
+        header = ["requests", "in / out", "elapsed s", "req/s", "output tok/s", "total tok/s"]
+        row = [
+            str(r["num_requests"]),
+            f"{r['input_len']} / {r['output_len']} (+-{r['range_ratio']:.0%})",
+            _fmt(r["elapsed_s"]),
+            _fmt(r["requests_per_s"]),
+            _fmt(r["output_tok_s"]),
+            _fmt(r["total_tok_s"]),
+        ]
+        if "samples" in r.get("gpu", {}):
+            header.append("GPU during the run")
+            row.append(_gpu_cell(r["gpu"]))
+        lines += _table(header, [row])
     elif kind == "kv_waste":
         lo, hi = r["prompt_len_range"]
         olo, ohi = r["output_len_range"]

@@ -25,6 +25,7 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.results import print_table, write_result
+from benchmarks.telemetry import GpuSampler
 from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 
@@ -52,7 +53,7 @@ def bench_throughput(
     prompts = random_prompts(num_requests, in_lens, vocab, rng)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     preempted_before = llm.engine.stats().num_preemptions_total
-    with timed(device) as t:
+    with GpuSampler(device) as gpu, timed(device) as t:
         outputs = llm.generate(prompts, params)
     elapsed = t[0]
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -72,6 +73,7 @@ def bench_throughput(
         "total_tok_s": (in_tokens + out_tokens) / elapsed,
         "preemptions": llm.engine.stats().num_preemptions_total - preempted_before,
         "offline_output_tok_s": out_tokens / elapsed,
+        "gpu": gpu.summary,  # clocks and power through the timed run
     }
 
 

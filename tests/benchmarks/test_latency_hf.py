@@ -59,6 +59,7 @@ def test_latency_main_records_hf_reference(tiny_llama, tmp_path):
         assert data[f"hf_eager_decode_bs{b}_tok_s"] == batch["hf_decode_tok_s"]
         assert len(batch["hf_runs"]) == 1
         assert batch["decode_tok_s"] > 0 and data[f"decode_bs{b}_tok_s"] == batch["decode_tok_s"]
+        assert batch["gpu"] == {"error": "no GPU (cpu)"}  # benchmarks.telemetry
     ref = data["hf_reference"]
     assert ref["attn_implementation"] == "eager" and ref["dtype"] == "float32"
     assert Path(ref["model_path"]) == tiny_llama
