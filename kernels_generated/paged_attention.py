@@ -31,7 +31,10 @@ the same launch writes. Keys before `context_len` were written by earlier launch
 tokens write into block 0, the runtime's scratch. (It replaced two `index_copy_` kernels per
 layer: 140 / 184 / 280 us a step at batch 1 / 64 / 256 on the H200.) Cached and new keys run
 in two loops (`_attend_keys`): one loop loading from both sources had the software pipeline
-stage four tiles a step instead of two.
+stage four tiles a step instead of two. A token's own key, the last it sees, is folded in from
+the registers that hold it for the KV write, after the loops: a decode token's loop over this
+step's keys then does nothing (H200, `bench breakdown`: attention 255 / 371 / 1,300 -> 235 /
+351 / 1,215 us a step at batch 1 / 64 / 256).
 
 Query-tiled prefill variant (`tiled=True`; chosen by shapes, COMPILE_ENGINE_TILED_PREFILL=0
 switches the automatic choice off). The single-token kernel re-reads a prefill chunk's keys
