@@ -954,6 +954,8 @@ def _launch_single(
             BY_SEQ=by_seq,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
+            # A register cap, where a config sets one: more programs resident an SM.
+            **{k: config[k] for k in ("maxnreg",) if k in config},
         )
         if num_splits > 1 and not _FUSED_REDUCE:
             _reduce_splits_kernel[(num_tokens, num_q_heads)](

@@ -32,18 +32,24 @@ from models.ops import paged_attention_ref  # noqa: E402
 LLAMA8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 WIDTH = 1024  # block-table columns: a 16k-token model
 
-# (BLOCK_N, num_warps, num_stages). A program per several KV heads (block-diagonal q, 2 and 4
-# heads) was swept too in this script's first version and lost at every shape.
+# (BLOCK_N, num_warps, num_stages[, maxnreg]). A program per several KV heads (block-diagonal
+# q, 2 and 4 heads) was swept too in this script's first version and lost at every shape.
 CANDIDATES = [
     (32, 2, 2), (32, 2, 3), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 2, 3), (64, 4, 2),
     (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (16, 2, 2),
     # Unpipelined: more programs resident an SM (short contexts are bound by per-program latency)
     (32, 2, 1), (32, 1, 1), (64, 2, 1), (64, 4, 1), (128, 4, 1), (16, 1, 1),
+    # Register caps. Offline sm_90 compiles (triton 3.6): 32 / 2 / 2 takes 160 registers, so 6
+    # programs an SM (shared memory would allow 10) and batch 256's 2,048 programs run in 3
+    # waves; capped at 128 (8 bytes of spill) 8 fit, 2 waves.
+    (32, 2, 2, 128), (32, 2, 2, 112), (32, 2, 3, 128), (16, 2, 2, 96),
 ]  # fmt: skip
 
 
-def config(block_n: int, warps: int, stages: int, **extra) -> dict:
+def config(block_n: int, warps: int, stages: int, maxnreg: int | None = None, **extra) -> dict:
     base = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "MIN_SPLIT_KEYS": 64}
+    if maxnreg is not None:
+        base["maxnreg"] = maxnreg
     return {**base, **extra}
 
 

@@ -102,7 +102,13 @@ def test_split_partials_cover_many_splits():
 @interpreted
 @pytest.mark.parametrize(
     "setting, value",
-    [("_FUSED_REDUCE", False), ("_COMBINE_S", 2), ("MIN_SPLIT_KEYS", 32), ("BLOCK_N", 32)],
+    [
+        ("_FUSED_REDUCE", False),
+        ("_COMBINE_S", 2),
+        ("MIN_SPLIT_KEYS", 32),
+        ("BLOCK_N", 32),
+        ("maxnreg", 128),  # a config with a register cap launches (the interpreter ignores it)
+    ],
 )
 def test_decode_variants(monkeypatch: pytest.MonkeyPatch, setting: str, value):
     # The split reduction fused (the last split combines, COMBINE_S splits a load) or a second
