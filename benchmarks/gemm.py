@@ -97,9 +97,10 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 7) -> float:
 
 
 def triton_name(c: dict) -> str:
+    ragged = f"/r{c['programs_per_sm']}" if c.get("programs_per_sm") else ""
     return (
         f"triton:{c['mode']}/{c['block_m']}x{c['block_n']}x{c['block_k']}/s{c['split_k']}"
-        f"/w{c['num_warps']}/p{c['num_stages']}"
+        f"/w{c['num_warps']}/p{c['num_stages']}{ragged}"
     )
 
 
@@ -107,10 +108,12 @@ def _tiles(rows: int) -> list[dict]:
     """Launch configs (without split) worth trying at `rows` rows."""
     out: list[dict] = []
 
-    def add(mode, bm, bn, bk, warps, stages):
-        out.append(
-            dict(mode=mode, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-        )
+    def add(mode, bm, bn, bk, warps, stages, per_sm=0):
+        config = dict(mode=mode, block_m=bm, block_n=bn, block_k=bk, num_warps=warps)
+        config["num_stages"] = stages
+        if per_sm:  # the rows shared out evenly, per_sm programs an SM (block_n: the least)
+            config["programs_per_sm"] = per_sm
+        out.append(config)
 
     if rows <= 16:
         for bn, bk, warps, stages in (
@@ -125,6 +128,11 @@ def _tiles(rows: int) -> list[dict]:
             (128, 128, 8, 4),
         ):
             add("swap", 16, bn, bk, warps, stages)
+        # A grid of whole block_n tiles leaves SMs idle or a part-empty last wave (o_proj at
+        # block_n 64: 64 programs on 132 SMs); an even share of the rows for every SM does not.
+        for bk, warps, stages, per_sm in ((256, 4, 4, 1), (256, 4, 4, 2), (128, 4, 4, 2),
+                                          (512, 4, 3, 1), (256, 8, 4, 1)):  # fmt: skip
+            add("swap", 16, 16, bk, warps, stages, per_sm)
         if rows <= 4:
             add("fma", 1 << (rows - 1).bit_length(), 16, 256, 4, 4)
     elif rows <= 64:
@@ -151,7 +159,9 @@ def candidates(n_size: int, k_size: int, rows: int) -> list[dict]:
     first, so that a cell cut short by the budget has timed the likeliest winners."""
     out = []
     for tile in _tiles(rows):
-        tiles = math.ceil(n_size / tile["block_n"]) * math.ceil(rows / tile["block_m"])
+        per_sm = tile.get("programs_per_sm", 0)
+        row_programs = per_sm * SMS if per_sm else math.ceil(n_size / tile["block_n"])
+        tiles = row_programs * math.ceil(rows / tile["block_m"])
         for split in (1, 2, 4, 8):
             if split > 1 and (k_size // split < 2 * tile["block_k"] or tiles * split > 8 * SMS):
                 continue

@@ -15,6 +15,12 @@ split-K reduction. This kernel is one launch whatever the split:
   instruction is at least 16 (mma) or 64 (wgmma) long along its first dimension, which the
   weight's N fills and a handful of tokens does not. 2: no tensor cores, a broadcast multiply
   and a sum over K, for M <= 4 where even a 16-row tile is mostly padding.
+- RAGGED (`programs_per_sm` > 0): instead of a program per BLOCK_N rows, the grid is that
+  many programs per SM and program i owns rows [i N / P, (i + 1) N / P), BLOCK_N rounded up
+  to hold a share. A grid of whole tiles leaves SMs idle or runs a part-empty last wave (the
+  o_proj weight at BLOCK_N 64 is 64 programs on 132 SMs: perhaps what holds its stream near
+  3 TB/s); an equal share for every SM does not. Untimed: no entry of the table uses it until
+  `bench gemm` (which sweeps it at <= 16 rows) has measured it on the H200.
 - SPLIT_K > 1 (a runtime argument: no recompile per split): each program writes its float32
   partial tile to a workspace and counts itself in on a per-tile counter; the last of the
   tile's programs to arrive sums the partials in split order (deterministic, whoever arrives
@@ -95,19 +101,28 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,  # 0 dot [BM, BN], 1 swapped dot [BN, BM], 2 fma [BN, BM]
     EVEN_K: tl.constexpr,  # K == split_k * k_tiles * BLOCK_K: no K mask
+    RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if RAGGED:
+        # An equal share of the rows for each of the grid's P programs (BLOCK_N >= cdiv(N, P)):
+        # a grid of whole tiles leaves SMs idle or runs a part-empty last wave.
+        row_lo = (pid_n.to(tl.int64) * N // tl.num_programs(0)).to(tl.int32)
+        row_hi = ((pid_n.to(tl.int64) + 1) * N // tl.num_programs(0)).to(tl.int32)
+        offs_n = row_lo + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < row_hi
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     # A multiple of BLOCK_K by construction, which the compiler must see: with the slice start
     # of unknown alignment the loads fall back to 2-byte accesses, unpipelined (measured on
     # the H200: 2-3 TB/s at M = 1, 0.5 TB/s at M = 256).
     k_start = pid_k * k_tiles * BLOCK_K
     mask_m = offs_m < M
-    mask_n = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if MODE == 0:
@@ -201,8 +216,11 @@ def skinny_gemm(
     split_k: int = 1,
     num_warps: int = 4,
     num_stages: int = 4,
+    programs_per_sm: int = 0,
 ) -> Tensor:
-    """x [M, K] @ w [N, K]^T with one explicit config (the tuned choice is `linear`'s)."""
+    """x [M, K] @ w [N, K]^T with one explicit config (the tuned choice is `linear`'s).
+    programs_per_sm > 0: the rows are shared out evenly among that many programs per SM
+    (RAGGED), block_n rounded up to hold a share, instead of a program per block_n rows."""
     _validate(x, w)
     num_rows, k_size = x.shape
     n_size = w.shape[0]
@@ -218,7 +236,12 @@ def skinny_gemm(
     split_k = max(1, min(split_k, triton.cdiv(k_size, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k_size, split_k), block_k) * block_k
     split_k = triton.cdiv(k_size, k_per_split)  # no empty trailing slices
-    grid = (triton.cdiv(n_size, block_n), split_k, triton.cdiv(num_rows, block_m))
+    if programs_per_sm > 0:
+        row_programs = min(programs_per_sm * _sm_count(x.device), n_size)
+        block_n = max(block_n, triton.next_power_of_2(triton.cdiv(n_size, row_programs)))
+    else:
+        row_programs = triton.cdiv(n_size, block_n)
+    grid = (row_programs, split_k, triton.cdiv(num_rows, block_m))
     counters = _counters(x.device)
     if split_k > 1:
         if grid[0] * grid[2] > MAX_TILES:
@@ -246,10 +269,25 @@ def skinny_gemm(
             BLOCK_K=block_k,
             MODE=MODES[mode],
             EVEN_K=k_per_split * split_k == k_size,
+            RAGGED=programs_per_sm > 0,
             num_warps=num_warps,
             num_stages=num_stages,
         )
     return out
+
+
+_CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed count keeps the grid deterministic
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_SM_COUNT
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # --------------------------------------------------------------------------- tuned choice

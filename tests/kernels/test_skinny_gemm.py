@@ -84,6 +84,22 @@ def test_interpreted_matches_reference(name, rows, n_size, k_size, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("per_sm", [1, 2])
+@pytest.mark.parametrize("rows,n_size,k_size", [(1, 83, 64), (3, 8, 48), (17, 40, 80)])
+def test_interpreted_ragged_rows_match_reference(rows, n_size, k_size, per_sm, split):
+    # Rows shared out evenly among programs_per_sm x 8 programs (the interpreter's SM count):
+    # 83 rows over 8 or 16 programs (shares of 10-11 and 5-6), fewer rows than programs (8
+    # over 16), a split K; every row written once, none twice.
+    x, w = _inputs(rows, n_size, k_size, torch.float32)
+    got = k.skinny_gemm(
+        x, w, mode="swap", block_m=16, block_n=16, block_k=16, split_k=split,
+        programs_per_sm=per_sm,
+    )  # fmt: skip
+    torch.testing.assert_close(got, k.linear_ref(x, w), rtol=0, atol=1e-5)
+
+
+@interpreted
 def test_interpreted_split_counters_reset_between_calls():
     # The last program of a tile zeroes its counter: a second call must sum afresh.
     x, w = _inputs(2, 32, 96, torch.float32)
@@ -248,3 +264,13 @@ def test_gpu_split_k_graph_replay_is_deterministic():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n_size,k_size", [(4096, 4096), (6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_gpu_ragged_rows_match_cublas(n_size, k_size, per_sm):
+    x, w = _inputs(1, n_size, k_size, torch.bfloat16, "cuda")
+    got = k.skinny_gemm(x, w, mode="swap", block_m=16, block_k=256, programs_per_sm=per_sm)
+    assert _rel(got, k.linear_ref(x, w)) < 1e-2
