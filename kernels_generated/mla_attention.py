@@ -45,6 +45,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from kernels_generated.device import sm_count
 from kernels_generated.paged_attention import paged_layout
 from kernels_generated.timing import event_seconds
 from models.mla import mla_latent_attention_fake, mla_latent_attention_ref
@@ -53,7 +54,6 @@ _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs M, N, K >= 16
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 64
-_CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed value keeps the choice deterministic
 _REDUCE_BLOCK_R = 128  # latent columns per reduce program
 
 # One config per device type. CUDA: the best of BLOCK_N {16, 32, 64} x warps {4, 8} x stages
@@ -298,17 +298,6 @@ INTERPRETED = not isinstance(_mla_latent_kernel, JITFunction)
 
 # --------------------------------------------------------------------------- launcher
 
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
-
 
 def choose_num_splits(
     num_tokens: int, num_head_blocks: int, max_context: int, device: torch.device
@@ -317,7 +306,7 @@ def choose_num_splits(
     pass. Splitting pays when the T * head-block programs would leave SMs idle; max_context
     is the block table's capacity, an upper bound on any sequence's length."""
     programs = num_tokens * num_head_blocks
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if programs >= sms:
         return 1
     splits = min(

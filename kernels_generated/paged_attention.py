@@ -85,13 +85,13 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
+from kernels_generated.device import sm_count
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 _MAX_SPLITS = 64
-_CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed value keeps the choice deterministic
 
 # Decode configs by launch size: (least tokens, config), the last that fits applies. CUDA,
 # from scripts/device/pa_decode_sweep.py on the H200 at 9488c66 (bf16, Llama-3-8B heads, block
@@ -706,17 +706,6 @@ INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction)
 
 # --------------------------------------------------------------------------- launcher
 
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
-
 
 def decode_config(num_tokens: int, device: torch.device) -> dict:
     """The single-token kernel's config for a launch of num_tokens tokens (shapes only)."""
@@ -733,7 +722,7 @@ def choose_num_splits(
     upper bound on any sequence's length. The kernel gives a short sequence fewer splits
     (one below 2 x MIN_SPLIT_KEYS keys), so a wide table costs little at short context."""
     programs = num_tokens * num_kv_heads
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if programs >= sms:
         return 1
     splits = min(

@@ -67,6 +67,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
+from kernels_generated.device import sm_count
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ def skinny_gemm(
     k_per_split = triton.cdiv(triton.cdiv(k_size, split_k), block_k) * block_k
     split_k = triton.cdiv(k_size, k_per_split)  # no empty trailing slices
     if programs_per_sm > 0:
-        row_programs = min(programs_per_sm * _sm_count(x.device), n_size)
+        row_programs = min(programs_per_sm * sm_count(x.device), n_size)
         block_n = max(block_n, triton.next_power_of_2(triton.cdiv(n_size, row_programs)))
     else:
         row_programs = triton.cdiv(n_size, block_n)
@@ -274,20 +275,6 @@ def skinny_gemm(
             num_stages=num_stages,
         )
     return out
-
-
-_CPU_SM_COUNT = 8  # the interpreter has no SMs; a fixed count keeps the grid deterministic
-
-
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_SM_COUNT
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # --------------------------------------------------------------------------- tuned choice

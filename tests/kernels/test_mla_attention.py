@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels_generated import mla_attention as mk
+from kernels_generated.device import CPU_SM_COUNT
 from models.mla import mla_attention_absorbed, mla_attention_ref, mla_latent_attention_ref
 from passes.testing import run_interpreted
 
@@ -110,7 +111,7 @@ def test_custom_op_traces_as_one_node_and_mutates_cache():
 
 def test_choose_num_splits_reads_shapes_only():
     cpu = torch.device("cpu")
-    assert mk.choose_num_splits(mk._CPU_SM_COUNT, 1, 32768, cpu) == 1  # enough programs
+    assert mk.choose_num_splits(CPU_SM_COUNT, 1, 32768, cpu) == 1  # enough programs
     assert mk.choose_num_splits(1, 1, 32768, cpu) > 1  # one long decode: split
     assert mk.choose_num_splits(1, 1, 16, cpu) == 1  # short context: nothing to split
     assert mk.choose_num_splits(1, 1, 10**7, cpu) <= mk._MAX_SPLITS

@@ -22,6 +22,7 @@ import torch
 
 from kernels_generated import paged_attention as pa
 from kernels_generated.counters import ALLOCATED
+from kernels_generated.device import CPU_SM_COUNT
 from models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -248,7 +249,7 @@ def test_choose_tiled_is_on_unless_the_environment_says_off(monkeypatch: pytest.
 
 def test_choose_num_splits_reads_shapes_only():
     cpu = torch.device("cpu")
-    sms = pa._CPU_SM_COUNT
+    sms = CPU_SM_COUNT
     assert pa.choose_num_splits(sms, 1, 32768, cpu) == 1  # enough programs already
     assert pa.choose_num_splits(1, 2, 32768, cpu) > 1  # one long decode: split
     assert pa.choose_num_splits(1, 2, 16, cpu) == 1  # short context: nothing to split
