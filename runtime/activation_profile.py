@@ -73,16 +73,13 @@ def activation_bytes(
 ) -> tuple[int, bool]:
     """(peak activation bytes, whether it came from the cache). Without `cache_dir` (a start
     from a checkpoint, not an artifact) it always measures."""
-    cached = lookup(
-        loaded, num_tokens, num_rows, cache_dir=cache_dir, device_name=device_name, code=code
-    )
+    if cache_dir is None:
+        return profile(loaded, num_tokens, num_rows), False
+    entry = _entry(loaded, num_tokens, num_rows, cache_dir, device_name, code)
+    cached = _read(entry)
     if cached is not None:
         return cached, True
     peak = profile(loaded, num_tokens, num_rows)
-    if cache_dir is None:
-        return peak, False
-    key = profile_key(loaded, num_tokens, num_rows, device_name, code)
-    entry = Path(cache_dir) / CACHE_SUBDIR / f"{key}.json"
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         # Written whole then renamed, so a concurrent start never reads half a file.
@@ -106,8 +103,23 @@ def lookup(
     """The cached peak, or None when it must be measured (no cache, no entry, a bad entry)."""
     if cache_dir is None:
         return None
+    return _read(_entry(loaded, num_tokens, num_rows, cache_dir, device_name, code))
+
+
+def _entry(
+    loaded: LoadedModel,
+    num_tokens: int,
+    num_rows: int,
+    cache_dir: Path,
+    device_name: str,
+    code: str,
+) -> Path:
     key = profile_key(loaded, num_tokens, num_rows, device_name, code)
-    entry = Path(cache_dir) / CACHE_SUBDIR / f"{key}.json"
+    return Path(cache_dir) / CACHE_SUBDIR / f"{key}.json"
+
+
+def _read(entry: Path) -> int | None:
+    """The peak an entry holds, or None (no entry, a bad entry)."""
     try:
         peak = json.loads(entry.read_text())["peak_bytes"]
         if isinstance(peak, int) and peak >= 0:
