@@ -206,6 +206,60 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_span(
+    q,
+    m_i,
+    l_i,
+    acc,
+    lo,
+    hi,
+    row_last,
+    context_len,
+    new_row0,
+    table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_kt,
+    stride_vt,
+    qk_scale,
+    FROM_CACHE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_attend_tile` over keys lo .. hi, BLOCK_N at a time, from one source."""
+    if COMPUTE_F32:
+        # Interpreter: a `range` over loaded scalars calls int() on a one-element array, which
+        # NumPy >= 2.5 refuses (triton 3.6 with numpy 2.5 fails so); while loops avoid it.
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, FROM_CACHE, CAUSAL,
+                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        # GPU: a for loop, which Triton software-pipelines over num_stages (a while loop not).
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, FROM_CACHE, CAUSAL,
+                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attend_keys(
     q,
     m_i,
@@ -239,44 +293,18 @@ def _attend_keys(
     (the new-key pair almost always masked off), halving the programs an SM holds."""
     cache_hi = tl.minimum(hi, context_len)
     new_lo = tl.maximum(lo, context_len)
-    if COMPUTE_F32:
-        # Interpreter: a `range` over loaded scalars calls int() on a one-element array, which
-        # NumPy >= 2.5 refuses (triton 3.6 with numpy 2.5 fails so); while loops avoid it.
-        start = lo
-        while start < cache_hi:
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, cache_hi, row_last, context_len, new_row0, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, True, CAUSAL, KV_BLOCK_SIZE,
-                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
-            start += BLOCK_N
-        start = new_lo
-        while start < hi:
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, False, CAUSAL, KV_BLOCK_SIZE,
-                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        # GPU: for loops, which Triton software-pipelines over num_stages (while loops not).
-        for start in range(lo, cache_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, cache_hi, row_last, context_len, new_row0, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, True, CAUSAL, KV_BLOCK_SIZE,
-                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
-        for start in range(new_lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, False, CAUSAL, KV_BLOCK_SIZE,
-                BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-            )  # fmt: skip
-    return m_i, l_i, acc
+    m_i, l_i, acc = _attend_span(
+        q, m_i, l_i, acc, lo, cache_hi, row_last, context_len, new_row0, table_row,
+        k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
+        stride_kt, stride_vt, qk_scale, True, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+        COMPUTE_F32, DOT_PRECISION,
+    )  # fmt: skip
+    return _attend_span(
+        q, m_i, l_i, acc, new_lo, hi, row_last, context_len, new_row0, table_row,
+        k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
+        stride_kt, stride_vt, qk_scale, False, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+        COMPUTE_F32, DOT_PRECISION,
+    )  # fmt: skip
 
 
 # Arguments that change from step to step are not specialised on (Triton would compile a
