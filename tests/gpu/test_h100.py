@@ -21,6 +21,22 @@ def llama8b_4layers(tmp_path_factory):
     return make_model("llama3-8b", tmp_path_factory.mktemp("l3"), device="cuda", layers=4)
 
 
+@pytest.fixture(scope="module")
+def llm_4layers(llama8b_4layers):
+    """An engine on the 4-layer model with CUDA graphs, shared by the tests that only read it
+    (one start, not one a test)."""
+    from runtime import LLM
+
+    return LLM(
+        str(llama8b_4layers),
+        target="h100",
+        dtype="bfloat16",
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+    )
+
+
 def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers):
     """Teacher-forced logits over 512 positions against HF bf16. With random weights the
     logits over 128k tokens are nearly flat, so bf16 rounding flips near-ties in HF itself: the
@@ -69,19 +85,10 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers):
     assert ours_fp32 >= floor - 0.02
 
 
-def test_cuda_graph_replay_matches_compiled_without_graphs(llama8b_4layers):
+def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers):
     from models.layers import AttentionMetadata
-    from runtime import LLM
 
-    llm = LLM(
-        str(llama8b_4layers),
-        target="h100",
-        dtype="bfloat16",
-        num_kv_blocks=256,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-    )
-    runner = llm.engine.runner
+    runner = llm_4layers.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs
     # A mixed batch: a 20-token prefill chunk of a sequence with 5 cached tokens + 3 decodes.
     lens, new = [25, 9, 17, 33], [20, 1, 1, 1]
@@ -116,21 +123,13 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llama8b_4layers):
     assert cosine.min().item() >= 0.999, cosine
 
 
-def test_engine_reads_every_weight_while_it_compiles(llama8b_4layers):
+def test_engine_reads_every_weight_while_it_compiles(llama8b_4layers, llm_4layers):
     """The engine allocates and reads the weights on a thread (their copies on a stream of
     their own) while it traces and compiles: once ready, every parameter must hold exactly
     what a plain load_model reads with nothing else running."""
     from models.loader import load_model
-    from runtime import LLM
 
-    llm = LLM(
-        str(llama8b_4layers),
-        target="h100",
-        dtype="bfloat16",
-        num_kv_blocks=256,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-    )
+    llm = llm_4layers
     assert llm.engine.weights_read_s > 0 and "weights_wait_s" in llm.engine.timings
     assert llm.engine.runner.graphs is not None
     reference = dict(
