@@ -103,10 +103,17 @@ _MAX_SPLITS = 64
 # MIN_SPLIT_KEYS 64 against 256 took 16 x 200-400 from 19.6 to 15.1 us (before 9488c66).
 # A program per several KV heads (block-diagonal q, 2 or 4 heads) was 10-60% slower at every
 # shape swept, so a program owns one KV head.
+# From 100 tokens (800 programs of 8 KV heads) the 32 / 2 / 2 config caps registers at 128:
+# uncapped it takes 160 (offline sm_90 compile, triton 3.6), 6 programs an SM, 792 on the
+# H200, so 256 tokens run in 3 waves; capped, 8 an SM (8 bytes spilled), 2 waves. Sweep at
+# 0c6c8eb: 37.9 / 170 / 985 us against 38.4 / 174 / 1,012 at 256 x 100 / 640 / 4k; at 64
+# tokens (one wave either way) the cap lost, 13.2 / 269 against 12.2 / 266 at 100 / 4k.
 _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
         (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+        (100, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64,
+               "maxnreg": 128}),
     ],
     "cpu": [(1, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "MIN_SPLIT_KEYS": 16})],
 }
