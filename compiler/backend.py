@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SPLIT_OP_NAMES = (
     "ce::paged_attention",
     "ce_kernels::paged_attention",
+    "ce_kernels::paged_attention_rotary",
     "ce::mla_attention",
     "ce::mla_latent_attention",
     "ce_kernels::mla_latent_attention",

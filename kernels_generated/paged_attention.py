@@ -87,7 +87,7 @@ from triton.runtime.jit import JITFunction
 from kernels_generated.counters import arrival_counters
 from kernels_generated.device import sm_count
 from kernels_generated.timing import event_seconds
-from models.ops import paged_attention_fake, paged_attention_ref
+from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -148,6 +148,39 @@ class PagedAttentionKernelError(RuntimeError):
 
 
 @triton.jit
+def _load_rotated(
+    row_ptr,  # each row's first element: a pointer, or a [R, 1] block of them
+    d,  # column indices, broadcast against row_ptr ([D] or [1, D])
+    pos,  # each row's position, shaped as row_ptr (read only with ROTARY)
+    mask,
+    cos_sin_ptr,  # [max_pos, ROT_DIM], cos half then sin half (read only with ROTARY)
+    stride_cs,
+    ROT_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
+):
+    """Load rows of q or k; with ROTARY, rotated as `models.ops.rotary_ref` rotates them
+    (neox style, columns past ROT_DIM unchanged): both products and their sum rounded to the
+    input's dtype, as the reference's ops in that dtype round them, so the K written to the
+    cache equals the reference's bit for bit."""
+    x = tl.load(row_ptr + d, mask=mask, other=0.0)
+    if ROTARY:
+        half = ROT_DIM // 2
+        in_rot = d < ROT_DIM
+        first = d < half
+        partner = tl.where(in_rot, tl.where(first, d + half, d - half), d)
+        other = tl.load(row_ptr + partner, mask=mask, other=0.0)
+        col = tl.where(in_rot, tl.where(first, d, d - half), 0)
+        table = cos_sin_ptr + pos.to(tl.int64) * stride_cs + col
+        cos = tl.load(table, mask=mask & in_rot, other=1.0).to(x.dtype).to(tl.float32)
+        sin = tl.load(table + half, mask=mask & in_rot, other=0.0).to(x.dtype).to(tl.float32)
+        rotated = tl.where(first, -other, other).to(tl.float32)  # rotate_half: [-x2, x1]
+        a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        b = (rotated * sin).to(x.dtype).to(tl.float32)
+        x = tl.where(in_rot, (a + b).to(x.dtype), x)
+    return x
+
+
+@triton.jit
 def _attend_tile(
     q,  # [ROWS, D]
     m_i,  # [ROWS] running max (base 2)
@@ -168,6 +201,9 @@ def _attend_tile(
     stride_kt,
     stride_vt,
     qk_scale,
+    positions_ptr,  # [T] each token's position (ROTARY only)
+    cos_sin_ptr,
+    stride_cs,
     FROM_CACHE: tl.constexpr,
     CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
@@ -175,6 +211,8 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     """One online-softmax step over keys start .. start + BLOCK_N (those below hi). K and V
     come from the cache through the block table (FROM_CACHE: keys before context_len, which
@@ -189,9 +227,13 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + row[:, None] + offs_d, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d, mask=valid[:, None], other=0.0)
     else:
-        rows = (new_row0 + pos - context_len).to(tl.int64)[:, None]
-        k = tl.load(k_new_ptr + rows * stride_kt + offs_d, mask=valid[:, None], other=0.0)
-        v = tl.load(v_new_ptr + rows * stride_vt + offs_d, mask=valid[:, None], other=0.0)
+        rows = (new_row0 + pos - context_len).to(tl.int64)
+        key_pos = rows  # unused without ROTARY
+        if ROTARY:
+            key_pos = tl.load(positions_ptr + rows, mask=valid, other=0)
+        k = _load_rotated(k_new_ptr + rows[:, None] * stride_kt, offs_d, key_pos[:, None],
+                          valid[:, None], cos_sin_ptr, stride_cs, ROT_DIM, ROTARY)  # fmt: skip
+        v = tl.load(v_new_ptr + rows[:, None] * stride_vt + offs_d, mask=valid[:, None], other=0.0)
     if COMPUTE_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -233,6 +275,9 @@ def _attend_span(
     stride_kt,
     stride_vt,
     qk_scale,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_cs,
     FROM_CACHE: tl.constexpr,
     CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
@@ -240,6 +285,8 @@ def _attend_span(
     HEAD_DIM: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     """`_attend_tile` over keys lo .. hi, BLOCK_N at a time, from one source."""
     if COMPUTE_F32:
@@ -250,8 +297,9 @@ def _attend_span(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
                 k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, FROM_CACHE, CAUSAL,
-                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
+                stride_cs, FROM_CACHE, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
+                DOT_PRECISION, ROT_DIM, ROTARY,
             )  # fmt: skip
             start += BLOCK_N
     else:
@@ -260,8 +308,9 @@ def _attend_span(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
                 k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, FROM_CACHE, CAUSAL,
-                KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
+                stride_cs, FROM_CACHE, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
+                DOT_PRECISION, ROT_DIM, ROTARY,
             )  # fmt: skip
     return m_i, l_i, acc
 
@@ -287,12 +336,17 @@ def _attend_keys(
     stride_kt,
     stride_vt,
     qk_scale,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_cs,
     CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     """Online softmax over keys lo .. hi: a loop over the cached ones (below context_len),
     then one over this step's. Two loops, so each loads only K and V: with both sources in
@@ -303,15 +357,32 @@ def _attend_keys(
     m_i, l_i, acc = _attend_span(
         q, m_i, l_i, acc, lo, cache_hi, row_last, context_len, new_row0, table_row,
         k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
-        stride_kt, stride_vt, qk_scale, True, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-        COMPUTE_F32, DOT_PRECISION,
+        stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, True, CAUSAL,
+        KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION, ROT_DIM, ROTARY,
     )  # fmt: skip
-    return _attend_span(
-        q, m_i, l_i, acc, new_lo, hi, row_last, context_len, new_row0, table_row,
-        k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
-        stride_kt, stride_vt, qk_scale, False, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-        COMPUTE_F32, DOT_PRECISION,
-    )  # fmt: skip
+    if ROTARY and not COMPUTE_F32:
+        # This step's keys rotated as they load: 16-key tiles, unpipelined. Pipelined
+        # BLOCK_N tiles staged k, its partner half, cos and sin a stage: in an offline sm_90
+        # compile (triton 3.6) 70 / 135 KB of shared memory a program against 21 / 39 KB
+        # without rotary (BLOCK_N 32 / 64), the cause of a 3-4x slower kernel on the H200;
+        # 16-key unpipelined tiles take 21 / 39 KB and 168 registers, no spills.
+        for start in tl.range(new_lo, hi, 16, num_stages=1):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
+                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+                stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
+                stride_cs, False, CAUSAL, KV_BLOCK_SIZE, 16, HEAD_DIM, COMPUTE_F32,
+                DOT_PRECISION, ROT_DIM, ROTARY,
+            )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_span(
+            q, m_i, l_i, acc, new_lo, hi, row_last, context_len, new_row0, table_row,
+            k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
+            stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
+            stride_cs, False, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
+            DOT_PRECISION, ROT_DIM, ROTARY,
+        )  # fmt: skip
+    return m_i, l_i, acc
 
 
 # Arguments that change from step to step are not specialised on (Triton would compile a
@@ -350,6 +421,9 @@ def _paged_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_bt,
+    positions_ptr,  # [T] each token's position (ROTARY only)
+    cos_sin_ptr,  # [max_pos, ROT_DIM] (ROTARY only)
+    stride_cs,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP padded to tl.dot's minimum
     HEAD_DIM: tl.constexpr,
@@ -363,6 +437,8 @@ def _paged_attention_kernel(
     COMPUTE_F32: tl.constexpr,  # interpreter: cast tiles to float32 after loading
     DOT_PRECISION: tl.constexpr,
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
+    ROT_DIM: tl.constexpr = 0,  # the rotary's width (ROTARY only)
+    ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
 ):
     kv_head = tl.program_id(1)
     if BY_SEQ:
@@ -429,7 +505,11 @@ def _paged_attention_kernel(
     v_cache_ptr += kv_head * stride_cache_head
 
     # The token's own K and V: key num_keys - 1 is the token itself (row `token` of k/v).
-    k_row = tl.load(k_new_ptr + token.to(tl.int64) * stride_kt + offs_d, mask=mine, other=0.0)
+    token_pos = token  # unused without ROTARY
+    if ROTARY:
+        token_pos = tl.load(positions_ptr + token, mask=mine, other=0)
+    k_row = _load_rotated(k_new_ptr + token.to(tl.int64) * stride_kt, offs_d, token_pos, mine,
+                          cos_sin_ptr, stride_cs, ROT_DIM, ROTARY)  # fmt: skip
     v_row = tl.load(v_new_ptr + token.to(tl.int64) * stride_vt + offs_d, mask=mine, other=0.0)
     # The KV-cache write, fused: each token's (first-split) program stores its own K and V.
     # No program of this launch reads them back from the cache (see _attend_tile). Padding
@@ -444,11 +524,10 @@ def _paged_attention_kernel(
         tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=mine)
         tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mine)
 
-    q = tl.load(
-        q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=head_mask[:, None] & mine,
-        other=0.0,
-    )
+    q = _load_rotated(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh, offs_d[None, :], token_pos,
+        head_mask[:, None] & mine, cos_sin_ptr, stride_cs, ROT_DIM, ROTARY,
+    )  # fmt: skip
     if COMPUTE_F32:
         q = q.to(tl.float32)
 
@@ -464,8 +543,9 @@ def _paged_attention_kernel(
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, key_lo, key_hi - own.to(tl.int32), m_i, context_len, q_start,
         table_row, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-        stride_cache_slot, stride_kt, stride_vt, qk_scale, False, KV_BLOCK_SIZE, BLOCK_N,
-        HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+        stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
+        stride_cs, False, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+        ROT_DIM, ROTARY,
     )  # fmt: skip
     if own:
         s_own = tl.sum(q.to(tl.float32) * k_row.to(tl.float32)[None, :], 1) * qk_scale
@@ -722,8 +802,9 @@ def _paged_attention_tiled_kernel(
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, key_hi * 0, key_hi, row_last, context_len, q_start, table_row,
         k_cache_ptr + head_offset, v_cache_ptr + head_offset, k_new_ptr, v_new_ptr,
-        stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale, True,
-        KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+        stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale, k_new_ptr,
+        k_new_ptr, 0, True, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION, 0,
+        False,
     )  # fmt: skip
 
     # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
@@ -847,14 +928,19 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,
     tiled: bool | None = None,
+    positions: Tensor | None = None,
+    cos_sin_cache: Tensor | None = None,
 ) -> Tensor:
     """Same contract as `models.ops.paged_attention`: writes k/v into kv_cache through
     slot_mapping, returns attention output [T, Hq, D]. num_splits: None chooses from shapes
     (`choose_num_splits`), 1 forces the single-pass kernel, > 1 forces split-KV. tiled: True
     runs the query-tiled prefill variant (no splits), False the single-token kernel, None
     chooses (`choose_tiled`, only when num_splits is None: off unless
-    COMPILE_ENGINE_TILED_PREFILL=1)."""
+    COMPILE_ENGINE_TILED_PREFILL=1). With positions [T] and cos_sin_cache [max_pos, rot_dim]
+    q and k arrive unrotated and the kernel applies `models.ops.rotary` to them as it loads
+    them (`paged_attention_rotary_ref`): the rotated keys are what it writes to the cache."""
     _validate(q, k, v, kv_cache, block_tables)
+    rotary = _rotary_args(q, positions, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
 
@@ -874,13 +960,21 @@ def paged_attention_triton(
                 f"the tiled prefill variant does not split KV; got num_splits={num_splits} "
                 "(pass tiled=False to split, or num_splits=None)"
             )
+        if rotary is not None:
+            # Prefill-heavy batches rotate first (the rotary kernel, one launch for q and k):
+            # the tiled kernel's [64, D] query tiles rotated in registers would spill.
+            from kernels_generated.rotary import rotary_triton
+
+            positions, cos_sin_cache = rotary
+            q, k = rotary_triton(positions, q, k, cos_sin_cache)
+            rotary = None
         args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
         _launch_tiled(*args, scale, out)
         # The decode tokens of the batch, one program per sequence (the tiled kernel skips
         # one-token sequences: a lone token in a 32-token tile wastes the dot's rows; measured
         # on the H200, 540 us a layer for 1,811 prefill + 237 decode tokens, of which the
         # prefill alone took 77 us). The two launches touch disjoint tokens.
-        _launch_single(*args, scale, out, num_splits=1, by_seq=True)
+        _launch_single(*args, scale, out, num_splits=1, by_seq=True, rotary=rotary)
         return out
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
@@ -888,8 +982,40 @@ def paged_attention_triton(
     if num_splits < 1:
         raise PagedAttentionKernelError(f"num_splits must be >= 1, got {num_splits}")
     _launch_single(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                   scale, out, num_splits=num_splits, by_seq=False)  # fmt: skip
+                   scale, out, num_splits=num_splits, by_seq=False, rotary=rotary)  # fmt: skip
     return out
+
+
+def _rotary_args(
+    q: Tensor, positions: Tensor | None, cos_sin_cache: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """The (positions, cos_sin_cache) the kernels rotate q and k with, checked; None for none."""
+    if positions is None and cos_sin_cache is None:
+        return None
+    if positions is None or cos_sin_cache is None:
+        raise PagedAttentionKernelError("rotary needs both positions and cos_sin_cache")
+    num_tokens, _, head_dim = q.shape
+    if positions.shape != (num_tokens,) or positions.dtype.is_floating_point:
+        raise PagedAttentionKernelError(
+            f"positions must be integers of shape [{num_tokens}], got {positions.dtype} "
+            f"{tuple(positions.shape)}"
+        )
+    rot_dim = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 else -1
+    if rot_dim <= 0 or rot_dim % 2 or rot_dim > head_dim or cos_sin_cache.stride(-1) != 1:
+        raise PagedAttentionKernelError(
+            f"cos_sin_cache must be [max_pos, rot_dim] with an even rot_dim <= head_dim "
+            f"{head_dim}, contiguous in its last dimension; got {tuple(cos_sin_cache.shape)}"
+        )
+    return positions, cos_sin_cache
+
+
+def _rotary_launch_args(rotary: tuple[Tensor, Tensor] | None, dummy: Tensor) -> tuple:
+    """(positions_ptr, cos_sin_ptr, stride_cs) and the constexprs {ROT_DIM, ROTARY} of a
+    launch; without rotary, `dummy` stands for the pointers the kernel never reads."""
+    if rotary is None:
+        return (dummy, dummy, 0), {"ROT_DIM": 0, "ROTARY": False}
+    positions, table = rotary
+    return (positions, table, table.stride(0)), {"ROT_DIM": table.shape[-1], "ROTARY": True}
 
 
 def _strides(
@@ -916,6 +1042,7 @@ def _launch_single(
     *,
     num_splits: int,
     by_seq: bool,
+    rotary: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Launch `_paged_attention_kernel` (inputs already validated and converted): a program
     per token (by_seq False) or, beside the tiled kernel, per one-token sequence (by_seq)."""
@@ -942,6 +1069,7 @@ def _launch_single(
         counters = _split_counters(q.device, grid[0] * grid[1]) if _FUSED_REDUCE else m_ws
     else:
         m_ws = l_ws = acc_ws = counters = out  # never touched by the single-pass kernel
+    rotary_ptrs, rotary_consts = _rotary_launch_args(rotary, slot_mapping)
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
@@ -963,6 +1091,7 @@ def _launch_single(
             num_q_heads,
             scale * _LOG2E,
             *_strides(q, out, k, v, k_cache, block_tables),
+            *rotary_ptrs,
             GROUP=group,
             BLOCK_G=block_g,
             HEAD_DIM=head_dim,
@@ -976,6 +1105,10 @@ def _launch_single(
             COMPUTE_F32=on_cpu,
             DOT_PRECISION=dot_precision,
             BY_SEQ=by_seq,
+            **rotary_consts,
+            # With FMA contraction the H200 skipped the rotation's rounding steps (51,248 of
+            # 256 x 8 x 128 keys off by an ulp at batch 256); without it, bit-exact.
+            enable_fp_fusion=rotary is None,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
             # A register cap, where a config sets one: more programs resident an SM.
@@ -1076,6 +1209,66 @@ def paged_attention(
 
 
 paged_attention.register_fake(paged_attention_fake)
+
+
+def paged_attention_rotary_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    positions: Tensor,
+    cos_sin_cache: Tensor,
+) -> Tensor:
+    """What `ce_kernels::paged_attention_rotary` computes: `ce::rotary`, then attention."""
+    q, k = rotary_ref(positions, q, k, cos_sin_cache)
+    return paged_attention_ref(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
+    )
+
+
+# The op the rotary_into_attention pass puts in place of ce::rotary + ce::paged_attention.
+@torch.library.custom_op("ce_kernels::paged_attention_rotary", mutates_args=("kv_cache",))
+def paged_attention_rotary(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    positions: Tensor,
+    cos_sin_cache: Tensor,
+) -> Tensor:
+    """`ce::paged_attention` of the rotated q and k (`ce::rotary`), the rotation done by the
+    Triton kernel as it loads them: no rotary kernel, no rotated copies of q and k."""
+    return paged_attention_triton(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+        positions=positions, cos_sin_cache=cos_sin_cache,
+    )  # fmt: skip
+
+
+@paged_attention_rotary.register_fake
+def _paged_attention_rotary_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    positions: Tensor,
+    cos_sin_cache: Tensor,
+) -> Tensor:
+    return torch.empty_like(q)
 
 
 # --------------------------------------------------------------------------- inputs, check, bench
@@ -1223,18 +1416,59 @@ def make_batch(
     )
 
 
+def rotary_inputs(batch: PagedBatch, rot_dim: int) -> tuple[Tensor, ...]:
+    """(q, k, v, positions, cos_sin_cache) for the rotary variant: q, k and v as views of one
+    packed [T, (Hq + 2 Hkv) D] tensor, as the model's QKV projection leaves them, each
+    token's position in its sequence (padding tokens 0), and a neox cos/sin table of width
+    rot_dim (base 10000) covering the longest sequence."""
+    num_tokens, num_q_heads, head_dim = batch.q.shape
+    num_kv_heads = batch.k.shape[1]
+    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    q, k, v = qkv.split(
+        [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1
+    )
+    starts, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    for b, seq_len in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        positions[start:end] = torch.arange(seq_len - (end - start), seq_len)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    freqs = torch.outer(torch.arange(max(lens, default=1) + 1, dtype=torch.float32), inv_freq)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    device = batch.q.device
+    return (
+        q.view(num_tokens, num_q_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+        positions.to(device),
+        table.to(device),
+    )
+
+
 def check(
     batch: PagedBatch,
     *,
     num_splits: int | None = None,
     atol: float | None = None,
     tiled: bool | None = None,
+    rot_dim: int | None = None,
 ) -> dict[str, float]:
     """Run the kernel and the reference on copies of the cache; raise AssertionError if the
-    outputs or the written caches differ. Returns max abs error and cosine similarity."""
+    outputs or the written caches differ. Returns max abs error and cosine similarity. With
+    rot_dim, q and k arrive unrotated (`rotary_inputs`) and the kernel rotates them, against
+    `paged_attention_rotary_ref`."""
     cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = paged_attention_ref(*batch.args(cache_ref))
-    got = paged_attention_triton(*batch.args(cache_out), num_splits=num_splits, tiled=tiled)
+    if rot_dim is None:
+        expected = paged_attention_ref(*batch.args(cache_ref))
+        got = paged_attention_triton(*batch.args(cache_out), num_splits=num_splits, tiled=tiled)
+    else:
+        q, k, v, positions, table = rotary_inputs(batch, rot_dim)
+        rest = batch.args()[4:]  # slot_mapping ... scale
+        expected = paged_attention_rotary_ref(q, k, v, cache_ref, *rest, positions, table)
+        got = paged_attention_triton(
+            q, k, v, cache_out, *rest, num_splits=num_splits, tiled=tiled, positions=positions,
+            cos_sin_cache=table,
+        )  # fmt: skip
     if atol is None:
         atol = {torch.float32: 1e-4, torch.float16: 2e-3}.get(batch.q.dtype, 2e-2)
     err = (got.float() - expected.float()).abs().max().item() if got.numel() else 0.0

@@ -166,6 +166,59 @@ def test_custom_op_traces_as_one_node():
     assert torch.equal(cache_op, cache_ref)
 
 
+# Rotary applied by the kernel (the rotary_into_attention pass): q and k arrive unrotated as
+# views of a packed QKV tensor; the output and the rotated keys written to the cache must
+# match ce::rotary then the reference attention. Modes: the single-token kernel, split-KV and
+# the tiled prefill variant (with its per-sequence decode launch).
+ROTARY_MODES = {"single": {"num_splits": 1}, "split3": {"num_splits": 3}, "tiled": {"tiled": True}}
+
+
+@interpreted
+@pytest.mark.parametrize("mode", list(ROTARY_MODES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_rotary_matches_reference(case: str, mode: str):
+    # float16: the kernel rounds each product and the sum as the reference's fp16 ops do.
+    batch = _batch(case, 4, torch.float16, seed=11)
+    pa.check(batch, rot_dim=batch.q.shape[-1], atol=2e-3, **ROTARY_MODES[mode])
+
+
+@interpreted
+@pytest.mark.parametrize("mode", list(ROTARY_MODES))
+@pytest.mark.parametrize("case", ["mixed", "padded"])
+def test_rotary_partial_width_matches_reference(case: str, mode: str):
+    # rot_dim < head_dim (e.g. GPT-NeoX style partial rotary): columns past it pass through.
+    batch = _batch(case, 3, torch.float32, seed=5)
+    pa.check(batch, rot_dim=batch.q.shape[-1] // 2, **ROTARY_MODES[mode])
+
+
+@interpreted
+def test_rotary_custom_op_matches_reference_and_mutates_cache():
+    batch = _batch("chunked_prefill", 4, torch.float32)
+    q, k, v, positions, table = pa.rotary_inputs(batch, batch.q.shape[-1])
+    rest = batch.args()[4:]
+    cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = pa.paged_attention_rotary_ref(q, k, v, cache_ref, *rest, positions, table)
+    got = torch.ops.ce_kernels.paged_attention_rotary(q, k, v, cache_op, *rest, positions, table)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache_op, cache_ref)
+
+
+def test_rotary_inputs_are_checked():
+    batch = _batch("decode", 4, torch.float32)
+    q, k, v, positions, table = pa.rotary_inputs(batch, batch.q.shape[-1])
+    rest = batch.args()[4:]
+    with pytest.raises(pa.PagedAttentionKernelError, match="both positions and cos_sin_cache"):
+        pa.paged_attention_triton(q, k, v, batch.kv_cache, *rest, positions=positions)
+    with pytest.raises(pa.PagedAttentionKernelError, match="even rot_dim"):
+        pa.paged_attention_triton(
+            q, k, v, batch.kv_cache, *rest, positions=positions, cos_sin_cache=table[:, :3]
+        )
+    with pytest.raises(pa.PagedAttentionKernelError, match="positions must be integers"):
+        pa.paged_attention_triton(
+            q, k, v, batch.kv_cache, *rest, positions=positions[:1], cos_sin_cache=table
+        )
+
+
 # The query-tiled prefill variant (tiled=True). Chunk lengths 5, 19 and 17 are not multiples
 # of BLOCK_M (16 for group 1, 4 for group 4 on CPU); chunks with context, decodes, an empty
 # sequence, padding tokens and padding sequences share one batch.
@@ -205,7 +258,9 @@ def test_tiled_chosen_by_environment(monkeypatch: pytest.MonkeyPatch):
     batch = pa.make_batch([6, 9], [6, 20], block_size=4)
     launched = []
     launch = pa._launch_tiled
-    monkeypatch.setattr(pa, "_launch_tiled", lambda *a: launched.append(1) or launch(*a))
+    monkeypatch.setattr(
+        pa, "_launch_tiled", lambda *a, **kw: launched.append(1) or launch(*a, **kw)
+    )
     monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", "1")
     pa.tiled_prefill_enabled.cache_clear()
     try:
@@ -287,13 +342,27 @@ LLAMA8B = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 
 
 
 def _gpu_compare(
-    batch: pa.PagedBatch, num_splits: int | None = None, tiled: bool | None = None
+    batch: pa.PagedBatch,
+    num_splits: int | None = None,
+    tiled: bool | None = None,
+    rot_dim: int | None = None,
 ) -> None:
     cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = paged_attention_ref(*batch.args(cache_ref)).float()
-    got = pa.paged_attention_triton(
-        *batch.args(cache_out), num_splits=num_splits, tiled=tiled
-    ).float()
+    if rot_dim is None:
+        expected = paged_attention_ref(*batch.args(cache_ref)).float()
+        got = pa.paged_attention_triton(
+            *batch.args(cache_out), num_splits=num_splits, tiled=tiled
+        ).float()
+    else:  # q and k unrotated, rotated by the kernel; the cache must match bit for bit
+        q, k, v, positions, table = pa.rotary_inputs(batch, rot_dim)
+        rest = batch.args()[4:]
+        expected = pa.paged_attention_rotary_ref(
+            q, k, v, cache_ref, *rest, positions, table
+        ).float()
+        got = pa.paged_attention_triton(
+            q, k, v, cache_out, *rest, num_splits=num_splits, tiled=tiled, positions=positions,
+            cos_sin_cache=table,
+        ).float()  # fmt: skip
     cos = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item()
     err = (got - expected).abs().max().item()
     assert cos >= 0.999, f"cosine {cos}"
@@ -343,6 +412,26 @@ def test_gpu_tiled_prefill_bf16(context: int):
         **LLAMA8B,
     )
     _gpu_compare(batch, tiled=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", ["decode1", "decode64", "decode256", "mixed", "tiled"])
+def test_gpu_rotary_bf16(shape: str):
+    # bf16 on the H200: the kernel's rotation rounds as ce::rotary's bf16 ops do, so the keys
+    # it writes equal the reference's bit for bit (_gpu_compare checks the cache).
+    layouts = {
+        "decode1": ([1], [700], None),
+        "decode64": ([1] * 64, [513] * 64, None),
+        "decode256": ([1] * 256, [100] * 256, None),
+        "mixed": ([512, 300] + [1] * 30, [512, 1324] + [900] * 30, False),
+        "tiled": ([512] * 3 + [1] * 4, [1024] * 3 + [700, 33, 2048, 5], True),
+    }
+    q_lens, seq_lens, tiled = layouts[shape]
+    batch = pa.make_batch(
+        q_lens, seq_lens, pad_tokens=3, dtype=torch.bfloat16, device="cuda", **LLAMA8B
+    )
+    _gpu_compare(batch, tiled=tiled, rot_dim=LLAMA8B["head_dim"])
 
 
 @pytest.mark.gpu

@@ -1,9 +1,9 @@
 """The numerics cases of the Triton fusion passes (rms_norm_triton, rotary_triton,
-silu_and_mul_triton), run under the Triton interpreter in one child pytest.
+rotary_into_attention, silu_and_mul_triton), run under the Triton interpreter in one child pytest.
 
 Each case compiles a tiny Llama with exactly its pass and with none and compares the logits
 (passes.testing.assert_numerics_unchanged), which runs the Triton kernel on CPU tensors: that
-needs TRITON_INTERPRET=1 from the start of the process, hence a child. One child for the three
+needs TRITON_INTERPRET=1 from the start of the process, hence a child. One child for the four
 files, not one each: a child pays seconds of imports (torch, transformers) before its first case."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 FILES = (
     "test_rms_norm_triton_pass.py",
     "test_rotary_triton_pass.py",
+    "test_rotary_into_attention_pass.py",
     "test_silu_and_mul_triton_pass.py",
 )
 
