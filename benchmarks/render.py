@@ -371,6 +371,10 @@ def _details(r: dict) -> list[str]:
         lines += _breakdown(r)
     elif kind == "serve":
         lines += _serve(r)
+    elif kind == "gemm":
+        lines += _gemm(r)
+    elif kind == "pa_decode_sweep":
+        lines += _pa_decode_sweep(r)
     elif kind in ("moe", "mla"):
         # Their modules import torch; only a result of that kind pays for it.
         module = importlib.import_module(f"benchmarks.{kind}")
@@ -379,6 +383,51 @@ def _details(r: dict) -> list[str]:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []
     return [*lines, ""]
+
+
+def _gemm(r: dict) -> list[str]:
+    """bench gemm: per (weight, rows) cell cuBLAS against the fastest Triton config, and the
+    fastest with the even row partition (a name ending /r<programs per SM>) where swept."""
+    rows = []
+    for c in r.get("cells", []):
+        variants = c.get("variants", {})
+        cublas = variants.get("cublas", {}).get("us")
+        timed = sorted(
+            (v["us"], name)
+            for name, v in variants.items()
+            if name.startswith("triton") and v.get("us")
+        )
+        ragged = [t for t in timed if "/r" in t[1]]
+
+        def cell(t: tuple[float, str] | None) -> str:
+            return f"{t[0]:.2f} (`{t[1].removeprefix('triton:')}`)" if t else "—"
+
+        best = timed[0] if timed else None
+        ratio = f"x{cublas / best[0]:.3f}" if best and cublas else "—"
+        rows.append(
+            [c["shape"], str(c["M"]), _fmt(cublas), cell(best), ratio,
+             cell(ragged[0] if ragged else None)]
+        )  # fmt: skip
+    header = ["weight", "rows", "cuBLAS us", "best Triton us", "cuBLAS / best", "best ragged us"]
+    return [
+        "CUDA-graph replay over weight copies that miss L2, median per call "
+        f"({r.get('timing', 'see benchmarks/gemm.py')}).",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _pa_decode_sweep(r: dict) -> list[str]:
+    """scripts/device/pa_decode_sweep.py: us a call per decode-attention config and shape."""
+    shapes = [k for k in (r["rows"][0] if r.get("rows") else {}) if k.startswith("bs")]
+    header = ["config", *(k.replace("_c", " x ctx ").replace("bs", "") for k in shapes)]
+    rows = [[f"`{x['name']}`", *(_fmt(x.get(k)) for k in shapes)] for x in r.get("rows", [])]
+    return [
+        "Microseconds a call (CUDA-graph replay); configs BLOCK_N / warps / stages [/ register"
+        " cap], `table` the shipped choice; columns batch x context.",
+        "",
+        *_table(header, rows),
+    ]
 
 
 def _breakdown(r: dict) -> list[str]:

@@ -19,8 +19,10 @@ split-K reduction. This kernel is one launch whatever the split:
   many programs per SM and program i owns rows [i N / P, (i + 1) N / P), BLOCK_N rounded up
   to hold a share. A grid of whole tiles leaves SMs idle or runs a part-empty last wave (the
   o_proj weight at BLOCK_N 64 is 64 programs on 132 SMs: perhaps what holds its stream near
-  3 TB/s); an equal share for every SM does not. Untimed: no entry of the table uses it until
-  `bench gemm` (which sweeps it at <= 16 rows) has measured it on the H200.
+  3 TB/s); an equal share for every SM does not. Measured (`bench gemm` on the H200 at
+  0c6c8eb, rows 1-16) it did not pay: qkv 15.2-15.4 us against 14.8-15.7 for the best
+  whole-tile config (ahead by 4% at one row only), o_proj 11.8-11.9 against 11.6-11.7, down
+  and gate_up behind; no table entry uses it, `bench gemm` still sweeps it.
 - SPLIT_K > 1 (a runtime argument: no recompile per split): each program writes its float32
   partial tile to a workspace and counts itself in on a per-tile counter; the last of the
   tile's programs to arrive sums the partials in split order (deterministic, whoever arrives

@@ -8,8 +8,10 @@ by CUDA-graph replay at decode shapes from batch 1 to 256 and contexts from 32 t
 is chosen as in the engine) and checked against the reference, three launches in a row (the
 fused split reduction's counters must come back to zero). Rows: the kernel file's own
 config table (with the fused split reduction and with the reduce kernel), then each
-candidate at every shape. Prints one line per row and writes $OUT/pa_decode_sweep.json; the
-chosen configs live in kernels_generated/paged_attention.py.
+candidate at every shape. Prints one line per row and writes $OUT/pa_decode_sweep.json as it
+goes, then $OUT/pa-decode-sweep-<device>-<commit>.json (with command, commit, device and
+versions) for benchmarks/results, which `bench render` shows; the chosen configs live in
+kernels_generated/paged_attention.py.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 import kernels_generated.paged_attention as pa  # noqa: E402
+from benchmarks.results import write_result  # noqa: E402
 from kernels_generated.counters import ALLOCATED  # noqa: E402
 from models.ops import paged_attention_ref  # noqa: E402
 
@@ -184,6 +187,8 @@ def main() -> None:
     print("mixed", result["mixed_3x600_237dec_us"], "us; total", result["total_s"], "s")
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
+    # The same as a results JSON (command, commit, device, versions) for benchmarks/results.
+    print("wrote", write_result("pa-decode-sweep", result, os.environ.get("OUT", "/tmp")))
 
 
 if __name__ == "__main__":
