@@ -27,6 +27,10 @@ class PassManager:
             count = p.apply(graph, self.ctx)
             self.match_counts[p.name] = self.match_counts.get(p.name, 0) + count
             log.info("pass %s: %d matches", p.name, count)
+            if count:
+                # What a rewrite left dead (rotary_into_attention's rotary nodes) goes before
+                # the next pass, which would otherwise match it and count it as its own.
+                graph.eliminate_dead_code()
         graph.eliminate_dead_code()
         graph.lint()
 

@@ -68,6 +68,17 @@ def test_does_not_apply_on_cpu(graph):
     assert count_matches("rotary_into_attention", graph, PassContext("cpu", torch.float32)) == 0
 
 
+def test_default_passes_leave_rotary_triton_nothing(graph):
+    # The fused layers' rotary nodes are dead after the rewrite: rotary_triton, which runs
+    # later, must not retarget (and count) them.
+    from passes.manager import PassManager
+
+    manager = PassManager(select(None), PassContext("h100", torch.bfloat16))
+    manager(copy_graph(graph).graph)
+    assert manager.match_counts["rotary_into_attention"] == LAYERS
+    assert manager.match_counts["rotary_triton"] == 0
+
+
 def test_on_by_default_before_the_passes_it_preempts():
     chosen = [p.name for p in select(None)]
     assert chosen.index("rotary_into_attention") < chosen.index("paged_attention_triton")
