@@ -939,8 +939,8 @@ def paged_attention_triton(
     COMPILE_ENGINE_TILED_PREFILL=1). With positions [T] and cos_sin_cache [max_pos, rot_dim]
     q and k arrive unrotated and the kernel applies `models.ops.rotary` to them as it loads
     them (`paged_attention_rotary_ref`): the rotated keys are what it writes to the cache."""
+    rotary = _rotary_args(q, positions, cos_sin_cache)  # the call's own arguments first
     _validate(q, k, v, kv_cache, block_tables)
-    rotary = _rotary_args(q, positions, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
 
