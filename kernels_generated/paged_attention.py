@@ -85,7 +85,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import pdl_enabled, sm_count
+from kernels_generated.device import sm_count
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
 
@@ -112,10 +112,8 @@ _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
         (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
-        (
-            100,
-            {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64, "maxnreg": 128},
-        ),
+        (100, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64,
+               "maxnreg": 128}),
     ],
     "cpu": [(1, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "MIN_SPLIT_KEYS": 16})],
 }
@@ -441,10 +439,7 @@ def _paged_attention_kernel(
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
     ROT_DIM: tl.constexpr = 0,  # the rotary's width (ROTARY only)
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
-    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch now (kernels_generated/device)
 ):
-    if PDL_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
         # Beside the tiled kernel: program b serves sequence b's token if b decodes one token
@@ -1118,7 +1113,6 @@ def _launch_single(
             num_stages=config["num_stages"],
             # A register cap, where a config sets one: more programs resident an SM.
             **{k: config[k] for k in ("maxnreg",) if k in config},
-            PDL_TRIGGER=pdl_enabled(q.device) and not by_seq,
         )
         if num_splits > 1 and not _FUSED_REDUCE:
             _reduce_splits_kernel[(num_tokens, num_q_heads)](

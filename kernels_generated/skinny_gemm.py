@@ -69,7 +69,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import pdl_enabled, sm_count
+from kernels_generated.device import sm_count
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,6 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr,  # 0 dot [BM, BN], 1 swapped dot [BN, BM], 2 fma [BN, BM]
     EVEN_K: tl.constexpr,  # K == split_k * k_tiles * BLOCK_K: no K mask
     RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
-    PDL: tl.constexpr = False,  # launched as a PDL dependent: prefetch w to L2, then wait
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -127,22 +126,6 @@ def _skinny_gemm_kernel(
     # the H200: 2-3 TB/s at M = 1, 0.5 TB/s at M = 256).
     k_start = pid_k * k_tiles * BLOCK_K
     mask_m = offs_m < M
-    if PDL:
-        # The weight does not depend on the kernel before (attention, for o_proj): stream this
-        # program's slice into L2 while that kernel finishes, then wait for its output. One
-        # prefetch a 128-byte line (64 half-precision elements); rows past N re-fetch row 0.
-        rows = tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn
-        lines = k_start + tl.arange(0, BLOCK_K // 64) * 64
-        for k in range(0, k_tiles * BLOCK_K, BLOCK_K):
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-                "=r,l",
-                [w_ptr + rows[:, None] + (k + lines)[None, :]],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        tl.extra.cuda.gdc_wait()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if MODE == 0:
@@ -262,9 +245,6 @@ def skinny_gemm(
     else:
         row_programs = triton.cdiv(n_size, block_n)
     grid = (row_programs, split_k, triton.cdiv(num_rows, block_m))
-    # The prefetch covers whole BLOCK_K tiles of half-precision rows: EVEN_K launches only.
-    even_k = k_per_split * split_k == k_size
-    pdl = pdl_enabled(x.device) and even_k and block_k % 64 == 0 and x.element_size() == 2
     counters = _counters(x.device)
     if split_k > 1:
         if grid[0] * grid[2] > MAX_TILES:
@@ -291,12 +271,10 @@ def skinny_gemm(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             MODE=MODES[mode],
-            EVEN_K=even_k,
+            EVEN_K=k_per_split * split_k == k_size,
             RAGGED=programs_per_sm > 0,
-            PDL=pdl,
             num_warps=num_warps,
             num_stages=num_stages,
-            **({"launch_pdl": True} if pdl else {}),
         )
     return out
 

@@ -274,35 +274,3 @@ def test_gpu_ragged_rows_match_cublas(n_size, k_size, per_sm):
     x, w = _inputs(1, n_size, k_size, torch.bfloat16, "cuda")
     got = k.skinny_gemm(x, w, mode="swap", block_m=16, block_k=256, programs_per_sm=per_sm)
     assert _rel(got, k.linear_ref(x, w)) < 1e-2
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_pdl_after_attention_gives_the_same_output(rows, monkeypatch):
-    # COMPILE_ENGINE_PDL=1: decode attention lets the o_proj GEMM launch early, which
-    # prefetches its weight and waits for the attention output. Eager and in a CUDA graph,
-    # the output must be the one without PDL, bit for bit.
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm_90")
-    import kernels_generated.paged_attention as pa
-    from kernels_generated.device import PDL_ENV
-
-    heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-    batch = pa.make_batch([1] * rows, [100] * rows, dtype=torch.bfloat16, device="cuda", **heads)
-    _, w = _inputs(1, 4096, 4096, torch.bfloat16, "cuda")
-    config = dict(mode="swap", block_m=16, block_n=64, block_k=256, num_stages=4)
-
-    def layer():
-        out = pa.paged_attention_triton(*batch.args())
-        return k.skinny_gemm(out.reshape(out.shape[0], -1), w, **config)
-
-    want = layer()
-    monkeypatch.setenv(PDL_ENV, "1")
-    assert torch.equal(layer(), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = layer()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)
