@@ -1,0 +1,35 @@
+#!/bin/bash
+# A/B of two engine variants by `bench latency` in one device call, the runs alternating
+# (A B A B ...) so that clock and power drift land on both. A variant is a quoted string of
+# bench arguments and VAR=value settings, e.g. "" (the defaults), "--passes=-rotary_into_attention"
+# or "COMPILE_ENGINE_TILED_PREFILL=1". Usage on the device, from the repo root:
+#   bash scripts/device/latency_ab.sh <commit> <batch sizes> <rounds> "<variant A>" "<variant B>"
+#   e.g. bash scripts/device/latency_ab.sh abc1234 1,64,256 2 "" "--passes=-rotary_into_attention"
+# Rounds after the first time only the largest batch size (the noisiest, power-capped one).
+# JSON lands in $OUT/a/r<round> and $OUT/b/r<round>; one line per run, a table last.
+set -u
+commit=$1 batches=$2 rounds=$3 variant_a=$4 variant_b=$5
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$commit
+OUT=${OUT:-/tmp/out}
+MODEL=${MODEL:-/tmp/l3}
+T0=$(date +%s)
+[ -e "$MODEL" ] || timeout 300 python3 -m benchmarks make-model llama3-8b --out "$MODEL" --device cuda > "$OUT/make-model.log" 2>&1
+largest=${batches##*,}
+run() {  # run <label> <round> <variant>
+  local label=$1 round=$2 envs=() args=() word
+  for word in $3; do
+    if [[ $word == *=* && $word != -* ]]; then envs+=("$word"); else args+=("$word"); fi
+  done
+  local sizes=$batches; [ "$round" -gt 1 ] && sizes=$largest
+  local dir="$OUT/$label/r$round"; mkdir -p "$dir"
+  env "${envs[@]}" timeout 200 python3 -m benchmarks latency --model "$MODEL" --target h100 \
+    --dtype bfloat16 --batch-sizes "$sizes" --num-iters 2 --results-dir "$dir" "${args[@]}" \
+    > "$dir/latency.log" 2>&1
+  echo "$label round $round ($3): $(grep -E '^ +[0-9]+ ' "$dir/latency.log" \
+    | awk '{printf "%s: %s (%s ms)  ", $1, $2, $3}')at $(( $(date +%s) - T0 )) s"
+}
+for round in $(seq 1 "$rounds"); do
+  run a "$round" "$variant_a"
+  run b "$round" "$variant_b"
+done
