@@ -6,7 +6,8 @@
 #   bash scripts/device/latency_ab.sh <commit> <batch sizes> <rounds> "<variant A>" "<variant B>"
 #   e.g. bash scripts/device/latency_ab.sh abc1234 1,64,256 2 "" "--passes=-rotary_into_attention"
 # Rounds after the first time only the largest batch size (the noisiest, power-capped one).
-# JSON lands in $OUT/a/r<round> and $OUT/b/r<round>; one line per run, a table last.
+# JSON lands in $OUT/a/r<round> and $OUT/b/r<round>; one line per run (checked off the device
+# with a stand-in python3; not yet run on the H200).
 set -u
 commit=$1 batches=$2 rounds=$3 variant_a=$4 variant_b=$5
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
