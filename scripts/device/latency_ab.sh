@@ -5,7 +5,8 @@
 # or "COMPILE_ENGINE_TILED_PREFILL=1". Usage on the device, from the repo root:
 #   bash scripts/device/latency_ab.sh <commit> <batch sizes> <rounds> "<variant A>" "<variant B>"
 #   e.g. bash scripts/device/latency_ab.sh abc1234 1,64,256 2 "" "--passes=-rotary_into_attention"
-# Rounds after the first time only the largest batch size (the noisiest, power-capped one).
+# Rounds after the first time only the largest batch size (the noisiest, power-capped one),
+# or LATER_SIZES (e.g. LATER_SIZES=1 for a batch-1 change).
 # JSON lands in $OUT/a/r<round> and $OUT/b/r<round>; one line per run (checked off the device
 # with a stand-in python3; not yet run on the H200).
 set -u
@@ -16,13 +17,13 @@ OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/l3}
 T0=$(date +%s)
 [ -e "$MODEL" ] || timeout 300 python3 -m benchmarks make-model llama3-8b --out "$MODEL" --device cuda > "$OUT/make-model.log" 2>&1
-largest=${batches##*,}
+later=${LATER_SIZES:-${batches##*,}}
 run() {  # run <label> <round> <variant>
   local label=$1 round=$2 envs=() args=() word
   for word in $3; do
     if [[ $word == *=* && $word != -* ]]; then envs+=("$word"); else args+=("$word"); fi
   done
-  local sizes=$batches; [ "$round" -gt 1 ] && sizes=$largest
+  local sizes=$batches; [ "$round" -gt 1 ] && sizes=$later
   local dir="$OUT/$label/r$round"; mkdir -p "$dir"
   env "${envs[@]}" timeout 200 python3 -m benchmarks latency --model "$MODEL" --target h100 \
     --dtype bfloat16 --batch-sizes "$sizes" --num-iters 2 --results-dir "$dir" "${args[@]}" \
