@@ -287,6 +287,7 @@ def _attend_span(
     DOT_PRECISION: tl.constexpr,
     ROT_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = None,  # the GPU loop's pipeline depth; None: the launch's
 ):
     """`_attend_tile` over keys lo .. hi, BLOCK_N at a time, from one source."""
     if COMPUTE_F32:
@@ -304,7 +305,7 @@ def _attend_span(
             start += BLOCK_N
     else:
         # GPU: a for loop, which Triton software-pipelines over num_stages (a while loop not).
-        for start in range(lo, hi, BLOCK_N):
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
                 k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
@@ -360,28 +361,19 @@ def _attend_keys(
         stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, True, CAUSAL,
         KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION, ROT_DIM, ROTARY,
     )  # fmt: skip
-    if ROTARY and not COMPUTE_F32:
-        # This step's keys rotated as they load: 16-key tiles, unpipelined. Pipelined
-        # BLOCK_N tiles staged k, its partner half, cos and sin a stage: in an offline sm_90
-        # compile (triton 3.6) 70 / 135 KB of shared memory a program against 21 / 39 KB
-        # without rotary (BLOCK_N 32 / 64), the cause of a 3-4x slower kernel on the H200;
-        # 16-key unpipelined tiles take 21 / 39 KB and 168 registers, no spills.
-        for start in tl.range(new_lo, hi, 16, num_stages=1):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
-                k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-                stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
-                stride_cs, False, CAUSAL, KV_BLOCK_SIZE, 16, HEAD_DIM, COMPUTE_F32,
-                DOT_PRECISION, ROT_DIM, ROTARY,
-            )  # fmt: skip
-    else:
-        m_i, l_i, acc = _attend_span(
-            q, m_i, l_i, acc, new_lo, hi, row_last, context_len, new_row0, table_row,
-            k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
-            stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
-            stride_cs, False, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
-            DOT_PRECISION, ROT_DIM, ROTARY,
-        )  # fmt: skip
+    # This step's keys rotated as they load go in 16-key tiles, unpipelined. Pipelined
+    # BLOCK_N tiles staged k, its partner half, cos and sin a stage: in an offline sm_90
+    # compile (triton 3.6) 70 / 135 KB of shared memory a program against 21 / 39 KB without
+    # rotary (BLOCK_N 32 / 64), the cause of a 3-4x slower kernel on the H200; 16-key
+    # unpipelined tiles take 21 / 39 KB and 168 registers, no spills.
+    ROTATED_TILES: tl.constexpr = ROTARY and not COMPUTE_F32
+    m_i, l_i, acc = _attend_span(
+        q, m_i, l_i, acc, new_lo, hi, row_last, context_len, new_row0, table_row,
+        k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
+        stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, False, CAUSAL,
+        KV_BLOCK_SIZE, 16 if ROTATED_TILES else BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
+        ROT_DIM, ROTARY, 1 if ROTATED_TILES else None,
+    )  # fmt: skip
     return m_i, l_i, acc
 
 
