@@ -112,8 +112,10 @@ _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
         (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
-        (100, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64,
-               "maxnreg": 128}),
+        (
+            100,
+            {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64, "maxnreg": 128},
+        ),
     ],
     "cpu": [(1, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "MIN_SPLIT_KEYS": 16})],
 }
