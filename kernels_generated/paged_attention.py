@@ -86,8 +86,10 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
 from kernels_generated.device import sm_count
+from kernels_generated.rotary import rotary_triton
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
+from models.rope import cos_sin_table
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -957,8 +959,6 @@ def paged_attention_triton(
         if rotary is not None:
             # Prefill-heavy batches rotate first (the rotary kernel, one launch for q and k):
             # the tiled kernel's [64, D] query tiles rotated in registers would spill.
-            from kernels_generated.rotary import rotary_triton
-
             positions, cos_sin_cache = rotary
             q, k = rotary_triton(positions, q, k, cos_sin_cache)
             rotary = None
@@ -1426,9 +1426,7 @@ def rotary_inputs(batch: PagedBatch, rot_dim: int) -> tuple[Tensor, ...]:
     for b, seq_len in enumerate(lens):
         start, end = starts[b], starts[b + 1]
         positions[start:end] = torch.arange(seq_len - (end - start), seq_len)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
-    freqs = torch.outer(torch.arange(max(lens, default=1) + 1, dtype=torch.float32), inv_freq)
-    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = cos_sin_table({"rope_theta": 10000.0}, rot_dim, max(lens, default=1) + 1)
     device = batch.q.device
     return (
         q.view(num_tokens, num_q_heads, head_dim),
