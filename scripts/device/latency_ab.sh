@@ -1,16 +1,18 @@
 #!/bin/bash
-# A/B of two engine variants by `bench latency` in one device call, the runs alternating
-# (A B A B ...) so that clock and power drift land on both. A variant is a quoted string of
+# A/B (or A/B/C/...) of engine variants by `bench latency` in one device call, the runs
+# alternating (A B A B ...) so that clock and power drift land on all. A variant is a quoted string of
 # bench arguments and VAR=value settings, e.g. "" (the defaults), "--passes=-rotary_into_attention"
 # or "COMPILE_ENGINE_TILED_PREFILL=1". Usage on the device, from the repo root:
-#   bash scripts/device/latency_ab.sh <commit> <batch sizes> <rounds> "<variant A>" "<variant B>"
+#   bash scripts/device/latency_ab.sh <commit> <batch sizes> <rounds> "<variant A>" "<variant B>" ...
 #   e.g. bash scripts/device/latency_ab.sh abc1234 1,64,256 2 "" "--passes=-rotary_into_attention"
 # Rounds after the first time only the largest batch size (the noisiest, power-capped one),
 # or LATER_SIZES (e.g. LATER_SIZES=1 for a batch-1 change).
-# JSON lands in $OUT/a/r<round> and $OUT/b/r<round>; one line per run (checked off the device
-# with a stand-in python3; not yet run on the H200).
+# JSON lands in $OUT/a/r<round>, $OUT/b/r<round>, ...; one line per run.
 set -u
-commit=$1 batches=$2 rounds=$3 variant_a=$4 variant_b=$5
+commit=$1 batches=$2 rounds=$3
+shift 3
+variants=("$@")
+labels=(a b c d e f g h)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$commit
 OUT=${OUT:-/tmp/out}
@@ -32,6 +34,7 @@ run() {  # run <label> <round> <variant>
     | awk '{printf "%s: %s (%s ms)  ", $1, $2, $3}')at $(( $(date +%s) - T0 )) s"
 }
 for round in $(seq 1 "$rounds"); do
-  run a "$round" "$variant_a"
-  run b "$round" "$variant_b"
+  for i in "${!variants[@]}"; do
+    run "${labels[$i]}" "$round" "${variants[$i]}"
+  done
 done
