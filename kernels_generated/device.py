@@ -1,13 +1,32 @@
-"""What the kernels' launch choices read of the device: its SM count.
+"""What the kernels' launch choices read of the device: its SM count, and whether kernels
+overlap their neighbours by programmatic dependent launch.
 
 Split-KV attention (paged and MLA) and the skinny GEMM's even row partition size their grids
 from the number of SMs. On CPU the kernels run under the Triton interpreter, which has no SMs:
 a fixed count keeps every choice deterministic there.
+
+Programmatic dependent launch (PDL, sm_90+, on by default; COMPILE_ENGINE_PDL=0 turns it
+off): in launches of at most PDL_MAX_ROWS tokens (the skinny GEMM's rows, the decode tokens of
+attention and silu_and_mul) our kernels launch as PDL dependents: the kernel may start before
+the one ahead of it ends, and each program waits (griddepcontrol.wait) for that kernel to
+finish before it touches memory, so launch and set-up overlap the kernel ahead. Inductor's
+kernels do the same (compiler/config.py), so at batch 1 the whole layer's chain overlaps.
+Read at launch, so inside a CUDA graph it is fixed at capture.
+Two variants stay behind settings for experiments, both measured as losses: releasing the next
+kernel at once (griddepcontrol.launch_dependents right after the wait; COMPILE_ENGINE_PDL_TRIGGER
+=1) and, before the wait, prefetching the skinny GEMM's weight into L2 (weights up to
+COMPILE_ENGINE_PDL_PREFETCH_MB MiB; 0, the default, none).
+Measured on the H200 (`bench latency`, batch 1, variants alternating in one call; docs/
+compiler.md section 6): at 8ca2af7 with Inductor's PDL on, ours 231.0 / 231.1 against 230.2 /
+230.3 tok/s, with gate_up and down on the skinny GEMM as well (so that every kernel of the
+layer is a PDL dependent) 235.3 / 235.2; at fe23f5b ours releasing at once 225.7 / 223.8
+against 229.2 / 229.6, with the o_proj prefetch 223.2 / 221.4.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -24,3 +43,54 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_SM_COUNT
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+PDL_ENV = "COMPILE_ENGINE_PDL"  # 0: off
+PDL_PREFETCH_ENV = "COMPILE_ENGINE_PDL_PREFETCH_MB"  # largest weight a GEMM prefetches; 0: none
+PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # 1: release the next kernel right after the wait
+# Launches of more tokens stay plain: measured at batch 64 and 256 (9f6b2fa), ours within the
+# spread of off (13,411 against 13,455 and 29,608 against 29,592 tok/s, one run each).
+PDL_MAX_ROWS = 16
+
+
+def _switch(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: set it to 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches on `device` may use programmatic dependent launch (see above)."""
+    if device.type != "cuda" or not _switch(PDL_ENV, "1"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= (9, 0)
+
+
+def pdl_mode(device: torch.device, rows: int) -> int:
+    """A kernel's PDL constexpr for a launch of `rows` tokens: 0 a plain launch, 1 a PDL
+    dependent that waits for the kernel ahead, 2 one that then releases the next kernel at
+    once (COMPILE_ENGINE_PDL_TRIGGER=1)."""
+    if rows > PDL_MAX_ROWS or not pdl_enabled(device):
+        return 0
+    return 2 if _switch(PDL_TRIGGER_ENV, "0") else 1
+
+
+def pdl_prefetch_bytes() -> int:
+    """The largest weight a PDL-launched skinny GEMM prefetches into L2 before it waits."""
+    value = os.environ.get(PDL_PREFETCH_ENV, "0").strip()
+    if not value.isdigit():
+        raise ValueError(f"{PDL_PREFETCH_ENV}={value!r}: want a whole number of MiB (0: none)")
+    return int(value) << 20
+
+
+def pdl_launch(enabled: bool) -> dict:
+    """A kernel launch's options when the kernel is a PDL dependent: it may start before the
+    kernel ahead of it ends, so it must wait (gdc_wait) before it touches their memory."""
+    return {"launch_pdl": True} if enabled else {}
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

@@ -85,7 +85,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import sm_count
+from kernels_generated.device import pdl_launch, pdl_mode, sm_count
 from kernels_generated.rotary import rotary_triton
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
@@ -435,7 +435,12 @@ def _paged_attention_kernel(
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
     ROT_DIM: tl.constexpr = 0,  # the rotary's width (ROTARY only)
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
+    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
 ):
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL > 1:
+        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
         # Beside the tiled kernel: program b serves sequence b's token if b decodes one token
@@ -1064,6 +1069,7 @@ def _launch_single(
     else:
         m_ws = l_ws = acc_ws = counters = out  # never touched by the single-pass kernel
     rotary_ptrs, rotary_consts = _rotary_launch_args(rotary, slot_mapping)
+    pdl = pdl_mode(q.device, num_tokens)
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
@@ -1107,6 +1113,8 @@ def _launch_single(
             num_stages=config["num_stages"],
             # A register cap, where a config sets one: more programs resident an SM.
             **{k: config[k] for k in ("maxnreg",) if k in config},
+            PDL=pdl,
+            **pdl_launch(pdl > 0),
         )
         if num_splits > 1 and not _FUSED_REDUCE:
             _reduce_splits_kernel[(num_tokens, num_q_heads)](

@@ -41,6 +41,7 @@ from kernels_generated.configs import (
     bucket_tokens,
     tuning_provenance,
 )
+from kernels_generated.device import pdl_launch, pdl_mode
 from kernels_generated.timing import graph_us, kernel_main
 from models.ops import silu_and_mul_fake, silu_and_mul_ref
 
@@ -59,7 +60,12 @@ def _silu_and_mul_kernel(
     stride_xt,
     stride_ot,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
 ):
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL > 1:
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -116,6 +122,7 @@ def silu_and_mul_triton(
     out_flat = out.view(num_tokens, inter)  # the fake's new_empty is contiguous
     config = config_for(TARGET_OF_DEVICE[x.device.type], bucket_tokens(num_tokens), inter)
     block = block or config["BLOCK"]
+    pdl = pdl_mode(x.device, num_tokens)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             flat,
@@ -124,7 +131,9 @@ def silu_and_mul_triton(
             flat.stride(0),
             out_flat.stride(0),
             BLOCK=block,
+            PDL=pdl,
             num_warps=num_warps or config["num_warps"],
+            **pdl_launch(pdl > 0),
         )
     return out
 

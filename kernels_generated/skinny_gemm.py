@@ -58,7 +58,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -69,11 +71,20 @@ from triton.runtime.jit import JITFunction
 
 from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import sm_count
+from kernels_generated.device import (
+    pdl_enabled,
+    pdl_launch,
+    pdl_mode,
+    pdl_prefetch_bytes,
+    sm_count,
+)
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = CONFIG_DIR / "skinny_gemm.json"
+# COMPILE_ENGINE_SKINNY_GEMM_CONFIGS: another table (experiments: one device call, two tables).
+CONFIG_FILE = Path(
+    os.environ.get("COMPILE_ENGINE_SKINNY_GEMM_CONFIGS", CONFIG_DIR / "skinny_gemm.json")
+)
 MAX_ROWS = 256  # above this the GEMM is compute-bound and cuBLAS's tiles are right
 MAX_TILES = 1 << 16  # split-K counters per device: cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M) tiles
 MODES = {"dot": 0, "swap": 1, "fma": 2}
@@ -105,6 +116,8 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr,  # 0 dot [BM, BN], 1 swapped dot [BN, BM], 2 fma [BN, BM]
     EVEN_K: tl.constexpr,  # K == split_k * k_tiles * BLOCK_K: no K mask
     RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
+    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
+    PREFETCH: tl.constexpr = False,  # PDL only: stream this program's w into L2 before waiting
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -126,6 +139,25 @@ def _skinny_gemm_kernel(
     # the H200: 2-3 TB/s at M = 1, 0.5 TB/s at M = 256).
     k_start = pid_k * k_tiles * BLOCK_K
     mask_m = offs_m < M
+    if PREFETCH:
+        # The weight does not depend on the kernel before (attention, for o_proj): stream this
+        # program's slice into L2 while that kernel finishes, then wait for its output. One
+        # prefetch a 128-byte line (64 half-precision elements); rows past N re-fetch row 0.
+        rows = tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn
+        lines = k_start + tl.arange(0, BLOCK_K // 64) * 64
+        for k in range(0, k_tiles * BLOCK_K, BLOCK_K):
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+                "=r,l",
+                [w_ptr + rows[:, None] + (k + lines)[None, :]],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL > 1:
+        tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if MODE == 0:
@@ -208,6 +240,17 @@ def _validate(x: Tensor, w: Tensor) -> None:
         )
 
 
+def prefetches_weight(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> bool:
+    """Whether this launch, a PDL dependent, prefetches its weight (device.py). Only a weight
+    that fits L2 beside what the kernel before it reads: prefetched, the Llama-3-8B QKV weight
+    (50 MB, the H200's whole L2) would be evicted before the GEMM reads it and come from HBM
+    twice; o_proj's (34 MB) fits. The prefetch covers whole BLOCK_K tiles of half-precision
+    rows: EVEN_K launches only."""
+    fits_l2 = w.numel() * w.element_size() <= pdl_prefetch_bytes()
+    half = x.element_size() == 2
+    return pdl_enabled(x.device) and fits_l2 and even_k and block_k % 64 == 0 and half
+
+
 def skinny_gemm(
     x: Tensor,
     w: Tensor,
@@ -245,6 +288,8 @@ def skinny_gemm(
     else:
         row_programs = triton.cdiv(n_size, block_n)
     grid = (row_programs, split_k, triton.cdiv(num_rows, block_m))
+    even_k = k_per_split * split_k == k_size
+    pdl = pdl_mode(x.device, num_rows)
     counters = _counters(x.device)
     if split_k > 1:
         if grid[0] * grid[2] > MAX_TILES:
@@ -271,10 +316,13 @@ def skinny_gemm(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             MODE=MODES[mode],
-            EVEN_K=k_per_split * split_k == k_size,
+            EVEN_K=even_k,
             RAGGED=programs_per_sm > 0,
+            PDL=pdl,
+            PREFETCH=pdl > 0 and prefetches_weight(x, w, block_k, even_k),
             num_warps=num_warps,
             num_stages=num_stages,
+            **pdl_launch(pdl > 0),
         )
     return out
 

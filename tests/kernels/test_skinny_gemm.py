@@ -274,3 +274,104 @@ def test_gpu_ragged_rows_match_cublas(n_size, k_size, per_sm):
     x, w = _inputs(1, n_size, k_size, torch.bfloat16, "cuda")
     got = k.skinny_gemm(x, w, mode="swap", block_m=16, block_k=256, programs_per_sm=per_sm)
     assert _rel(got, k.linear_ref(x, w)) < 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("trigger", ["0", "1"])
+@pytest.mark.parametrize("prefetch_mb", ["0", "36"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, monkeypatch):
+    # PDL on (the default on sm_90): attention, the skinny GEMMs and silu_and_mul launch as
+    # PDL dependents, each waiting for the kernel ahead before it touches memory and then
+    # (trigger 1) releasing the next; the o_proj-sized GEMM may prefetch its weight first.
+    # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    import kernels_generated.paged_attention as pa
+    from kernels_generated.device import PDL_ENV, PDL_PREFETCH_ENV, PDL_TRIGGER_ENV, pdl_mode
+    from kernels_generated.silu_and_mul import silu_and_mul_triton
+
+    heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+    batch = pa.make_batch([1] * rows, [100] * rows, dtype=torch.bfloat16, device="cuda", **heads)
+    _, w_o = _inputs(1, 4096, 4096, torch.bfloat16, "cuda")
+    _, w_up = _inputs(2, 4096, 4096, torch.bfloat16, "cuda")
+    _, w_down = _inputs(1, 4096, 2048, torch.bfloat16, "cuda")
+    config = dict(mode="swap", block_m=16, block_n=64, block_k=256, num_stages=4)
+
+    def layer():
+        out = pa.paged_attention_triton(*batch.args())
+        hidden = k.skinny_gemm(out.reshape(out.shape[0], -1), w_o, **config)
+        up = k.skinny_gemm(hidden, w_up, **config)
+        return k.skinny_gemm(silu_and_mul_triton(up), w_down, split_k=2, **config)
+
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert pdl_mode(torch.device("cuda"), rows) == 0
+    want = layer()
+    monkeypatch.setenv(PDL_ENV, "1")
+    monkeypatch.setenv(PDL_PREFETCH_ENV, prefetch_mb)
+    monkeypatch.setenv(PDL_TRIGGER_ENV, trigger)
+    assert pdl_mode(torch.device("cuda"), rows) == 1 + int(trigger)
+    assert torch.equal(layer(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = layer()
+    for _ in range(3):  # the split-K counters must come back to zero every time
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
+def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch):
+    # With PDL on and a 36 MiB limit, o_proj's 34 MB weight is prefetched, QKV's 50 MB is not
+    # (it would be read from HBM twice), nor an uneven K split or a float32 one; the limit is
+    # an environment setting (MiB), 0, the default, prefetching nothing.
+    from kernels_generated.device import PDL_PREFETCH_ENV
+
+    monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
+    monkeypatch.delenv(PDL_PREFETCH_ENV, raising=False)
+    x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
+    o_proj = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    qkv = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")
+    assert not k.prefetches_weight(x, o_proj, 256, even_k=True)  # none by default
+    monkeypatch.setenv(PDL_PREFETCH_ENV, "36")
+    assert k.prefetches_weight(x, o_proj, 256, even_k=True)
+    assert not k.prefetches_weight(x, qkv, 256, even_k=True)
+    assert not k.prefetches_weight(x, o_proj, 256, even_k=False)
+    assert not k.prefetches_weight(x.float(), o_proj.float(), 256, even_k=True)
+    monkeypatch.setenv(PDL_PREFETCH_ENV, "0")
+    assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
+    monkeypatch.setenv(PDL_PREFETCH_ENV, "64")
+    assert k.prefetches_weight(x, qkv, 256, even_k=True)
+    monkeypatch.setenv(PDL_PREFETCH_ENV, "lots")
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        k.prefetches_weight(x, qkv, 256, even_k=True)
+    monkeypatch.setenv(PDL_PREFETCH_ENV, "36")
+    monkeypatch.setattr(k, "pdl_enabled", lambda device: False)
+    assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
+
+
+def test_pdl_mode_by_device_rows_and_settings(monkeypatch):
+    # On by default on sm_90+ CUDA devices, for launches of at most PDL_MAX_ROWS tokens; never
+    # on CPU or older GPUs; COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1
+    # makes it release the next kernel at once; a setting that is not 0 or 1 is an error.
+    import kernels_generated.device as dev
+
+    for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV):
+        monkeypatch.delenv(name, raising=False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
+    assert dev.pdl_mode(cuda, 1) == 1
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == 1
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
+    assert dev.pdl_mode(torch.device("cpu"), 1) == 0
+    monkeypatch.setenv(dev.PDL_TRIGGER_ENV, "1")
+    assert dev.pdl_mode(cuda, 1) == 2
+    monkeypatch.setenv(dev.PDL_ENV, "0")
+    assert dev.pdl_mode(cuda, 1) == 0
+    monkeypatch.setenv(dev.PDL_ENV, "on")
+    with pytest.raises(ValueError, match="set it to 1 .on. or 0"):
+        dev.pdl_mode(cuda, 1)
+    monkeypatch.setenv(dev.PDL_ENV, "1")
+    monkeypatch.setattr(dev, "_cuda_capability", lambda index: (8, 0))
+    assert dev.pdl_mode(cuda, 1) == 0
