@@ -43,9 +43,9 @@ INDUCTOR_PDL_ENV = "TORCHINDUCTOR_ENABLE_PDL"
 
 
 def inductor_pdl(config: CompileConfig) -> bool:
-    """Whether Inductor's kernels use programmatic dependent launch: on for the h100 target
-    unless TORCHINDUCTOR_ENABLE_PDL says 0 (Inductor's own switch, whose default is off)."""
-    value = os.environ.get(INDUCTOR_PDL_ENV, "1").strip()
+    """Whether Inductor's kernels use programmatic dependent launch: on the h100 target only
+    when TORCHINDUCTOR_ENABLE_PDL (Inductor's own switch) says 1."""
+    value = os.environ.get(INDUCTOR_PDL_ENV, "0").strip() or "0"
     if value not in ("0", "1"):
         raise CompileConfigError(f"{INDUCTOR_PDL_ENV}={value!r}: set it to 1 (on) or 0 (off)")
     return config.target == "h100" and value == "1"
@@ -70,12 +70,12 @@ def apply_inductor_settings(config: CompileConfig) -> Path:
     # ISA still comes from the CPU's flags, and build and load must agree on this setting
     # because it enters Inductor's cache key.
     inductor_config.cpp.vec_isa_ok = True
-    # Programmatic dependent launch for Inductor's Triton kernels on the h100 target (Inductor
-    # emits it only for sm_90+ devices): each such kernel may launch before the one ahead ends
-    # and waits for it before reading what it wrote, so launches and set-up overlap. On the
-    # H200 at 9f6b2fa, `bench latency` in one call: 233.2 / 234.3 against 226.6 / 226.2 tok/s
-    # at batch 1, batch 64 and 256 within the spread. TORCHINDUCTOR_ENABLE_PDL=0 turns it off;
-    # it enters Inductor's cache key, so build and load must agree.
+    # Programmatic dependent launch for Inductor's Triton kernels: off unless
+    # TORCHINDUCTOR_ENABLE_PDL=1. On the H200 it took batch 1 from 226.6 / 226.2 to 233.2 /
+    # 234.3 tok/s (9f6b2fa), but Inductor's static launcher refuses PDL kernels, so a start
+    # from an artifact compiled 21 Triton kernels again (ready in 26.6 s against 9.8, 2bf3115)
+    # and one batch-256 latency run stalled 1.07 s. It enters Inductor's cache key, so build
+    # and load must agree.
     inductor_config.triton.enable_pdl = inductor_pdl(config)
     # Floats such as eps stay constants in the graph instead of becoming inputs.
     dynamo_config.specialize_float = True

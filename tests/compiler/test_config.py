@@ -14,8 +14,10 @@ from compiler.config import (
 )
 
 
-def test_inductor_pdl_is_on_for_h100_unless_switched_off(monkeypatch):
+def test_inductor_pdl_is_on_only_when_asked_for_and_only_for_h100(monkeypatch):
     monkeypatch.delenv(INDUCTOR_PDL_ENV, raising=False)
+    assert not inductor_pdl(CompileConfig(target="h100"))
+    monkeypatch.setenv(INDUCTOR_PDL_ENV, "1")
     assert inductor_pdl(CompileConfig(target="h100"))
     assert not inductor_pdl(CompileConfig(target="cpu"))
     monkeypatch.setenv(INDUCTOR_PDL_ENV, "0")
@@ -25,9 +27,11 @@ def test_inductor_pdl_is_on_for_h100_unless_switched_off(monkeypatch):
         inductor_pdl(CompileConfig(target="h100"))
 
 
-@pytest.mark.parametrize(("target", "want"), [("h100", True), ("cpu", False)])
-def test_apply_inductor_settings_sets_pdl_per_target(target, want, tmp_path, monkeypatch):
-    monkeypatch.delenv(INDUCTOR_PDL_ENV, raising=False)
+@pytest.mark.parametrize(
+    ("target", "env", "want"), [("h100", "1", True), ("h100", "0", False), ("cpu", "1", False)]
+)
+def test_apply_inductor_settings_sets_pdl(target, env, want, tmp_path, monkeypatch):
+    monkeypatch.setenv(INDUCTOR_PDL_ENV, env)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     # The settings are process-wide: the patch restores them after the test.
