@@ -5,22 +5,24 @@ Split-KV attention (paged and MLA) and the skinny GEMM's even row partition size
 from the number of SMs. On CPU the kernels run under the Triton interpreter, which has no SMs:
 a fixed count keeps every choice deterministic there.
 
-Programmatic dependent launch (PDL, sm_90+, on by default; COMPILE_ENGINE_PDL=0 turns it
-off): in launches of at most PDL_MAX_ROWS tokens (the skinny GEMM's rows, the decode tokens of
+Programmatic dependent launch (PDL, sm_90+; COMPILE_ENGINE_PDL=1, off by default): in
+launches of at most PDL_MAX_ROWS tokens (the skinny GEMM's rows, the decode tokens of
 attention and silu_and_mul) our kernels launch as PDL dependents: the kernel may start before
 the one ahead of it ends, and each program waits (griddepcontrol.wait) for that kernel to
-finish before it touches memory, so launch and set-up overlap the kernel ahead. Inductor's
-kernels do the same (compiler/config.py), so at batch 1 the whole layer's chain overlaps.
-Read at launch, so inside a CUDA graph it is fixed at capture.
+finish before it touches memory, so launch and set-up overlap the kernel ahead. Read at
+launch, so inside a CUDA graph it is fixed at capture. Off by default because its gain was
+measured only beside Inductor's PDL, which is off (compiler/config.py says why), and with
+gate_up and down on the skinny GEMM (scripts/device/skinny_gemm_mlp_triton.json, through
+COMPILE_ENGINE_SKINNY_GEMM_CONFIGS), so that every kernel of a batch-1 layer was a dependent.
 Two variants stay behind settings for experiments, both measured as losses: releasing the next
 kernel at once (griddepcontrol.launch_dependents right after the wait; COMPILE_ENGINE_PDL_TRIGGER
 =1) and, before the wait, prefetching the skinny GEMM's weight into L2 (weights up to
 COMPILE_ENGINE_PDL_PREFETCH_MB MiB; 0, the default, none).
 Measured on the H200 (`bench latency`, batch 1, variants alternating in one call; docs/
 compiler.md section 6): at 8ca2af7 with Inductor's PDL on, ours 231.0 / 231.1 against 230.2 /
-230.3 tok/s, with gate_up and down on the skinny GEMM as well (so that every kernel of the
-layer is a PDL dependent) 235.3 / 235.2; at fe23f5b ours releasing at once 225.7 / 223.8
-against 229.2 / 229.6, with the o_proj prefetch 223.2 / 221.4.
+230.3 tok/s, with gate_up and down on the skinny GEMM as well 235.3 / 235.2, those two alone
+232.4 / 232.3; at fe23f5b ours releasing at once 225.7 / 223.8 against 229.2 / 229.6, with
+the o_proj prefetch 223.2 / 221.4. Without Inductor's PDL: not measured.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-PDL_ENV = "COMPILE_ENGINE_PDL"  # 0: off
+PDL_ENV = "COMPILE_ENGINE_PDL"  # 1: on
 PDL_PREFETCH_ENV = "COMPILE_ENGINE_PDL_PREFETCH_MB"  # largest weight a GEMM prefetches; 0: none
 PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # 1: release the next kernel right after the wait
 # Launches of more tokens stay plain: measured at batch 64 and 256 (9f6b2fa), ours within the
@@ -62,7 +64,7 @@ def _switch(name: str, default: str) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on `device` may use programmatic dependent launch (see above)."""
-    if device.type != "cuda" or not _switch(PDL_ENV, "1"):
+    if device.type != "cuda" or not _switch(PDL_ENV, "0"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index) >= (9, 0)

@@ -81,7 +81,7 @@ from kernels_generated.device import (
 
 log = logging.getLogger(__name__)
 
-# COMPILE_ENGINE_SKINNY_GEMM_CONFIGS: another table (experiments: one device call, two tables).
+# COMPILE_ENGINE_SKINNY_GEMM_CONFIGS: another table (experiments, e.g. scripts/device/*.json).
 CONFIG_FILE = Path(
     os.environ.get("COMPILE_ENGINE_SKINNY_GEMM_CONFIGS", CONFIG_DIR / "skinny_gemm.json")
 )
