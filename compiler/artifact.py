@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from compiler.config import INDUCTOR_PDL_ENV, CompileConfig, inductor_pdl
+
 FORMAT_VERSION = 1
 ENGINE_VERSION = "0.1.0"
 CODE_PACKAGES = ("models", "passes", "compiler", "kernels_generated")
@@ -108,6 +110,9 @@ class Manifest:
     tokenizer_class: str | None = None
     # Set when the source needed conversion (GGUF): an HF directory inside the artifact.
     weights_path: str | None = None
+    # Inductor's PDL (compiler/config.py): part of Inductor's cache key, so a load with the
+    # other setting would compile every piece again. False in older artifacts (it was off).
+    inductor_pdl: bool = False
     format: int = FORMAT_VERSION
     engine_version: str = ENGINE_VERSION
 
@@ -164,6 +169,12 @@ class Manifest:
             )
         if self.code_hash != code_hash():
             problems.append("engine code that has changed since (models/passes/compiler)")
+        here_pdl = inductor_pdl(CompileConfig(target=self.target))
+        if self.inductor_pdl != here_pdl:
+            problems.append(
+                f"{INDUCTOR_PDL_ENV}={int(self.inductor_pdl)} (this process: {int(here_pdl)}; "
+                "set it as the build had it, or rebuild)"
+            )
         if self.target == "h100" and not torch.cuda.is_available():
             problems.append("target h100, but this machine has no CUDA device")
         elif device_description(self.target) != self.device:

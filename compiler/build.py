@@ -16,7 +16,7 @@ import torch
 
 from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
 from compiler.compiled_model import CompiledForward
-from compiler.config import CompileConfig
+from compiler.config import CompileConfig, inductor_pdl
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import config_to_dict
 from models.loader import LoadedModel, export_hf_checkpoint, load_model
@@ -162,6 +162,7 @@ def build_artifact(
         capture_sizes=capture_sizes,
         model_config=config_to_dict(cfg),
         tokenizer_class=tokenizer_class,
+        inductor_pdl=inductor_pdl(CompileConfig(target=target)),
         timings=dict(
             load_s=round(t_load, 2),
             trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch._inductor.config as inductor_config
 
@@ -38,3 +40,56 @@ def test_apply_inductor_settings_sets_pdl(target, env, want, tmp_path, monkeypat
     with inductor_config.patch({"triton.enable_pdl": not want, "fx_graph_cache": True}):
         apply_inductor_settings(CompileConfig(target=target, cache_dir=tmp_path))
         assert inductor_config.triton.enable_pdl is want
+
+
+def test_an_artifact_built_with_the_other_inductor_pdl_setting_is_refused(tmp_path, monkeypatch):
+    # Inductor's PDL enters its cache key: loaded with the other setting, every piece would
+    # compile again. The manifest records the build's setting and the load-time check names
+    # the variable to set.
+    from dataclasses import replace
+
+    from compiler.artifact import (
+        ArtifactError,
+        Manifest,
+        code_hash,
+        device_description,
+        model_fingerprint,
+        versions,
+    )
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    built = Manifest(
+        model_path=str(model),
+        model_kind="hf",
+        model_fingerprint=model_fingerprint(model),
+        architecture="LlamaForCausalLM",
+        dtype="float32",
+        target="h100",
+        device=device_description("cpu"),
+        code_hash=code_hash(),
+        versions=versions(),
+        engine_args={},
+        passes=[],
+        pass_manager_uuid="",
+        compile={},
+        kernels=[],
+        timings={},
+        inductor_pdl=True,
+    )
+    cpu = replace(built, target="cpu", inductor_pdl=False)
+    monkeypatch.delenv(INDUCTOR_PDL_ENV, raising=False)
+    cpu.check(tmp_path)  # agrees: nothing to refuse
+    with pytest.raises(ArtifactError, match="TORCHINDUCTOR_ENABLE_PDL=1 .this process: 0"):
+        replace(cpu, inductor_pdl=True).check(tmp_path)
+    monkeypatch.setenv(INDUCTOR_PDL_ENV, "1")
+    with pytest.raises(ArtifactError, match="TORCHINDUCTOR_ENABLE_PDL=1 .this process: 0"):
+        replace(cpu, inductor_pdl=True).check(tmp_path)  # never on for the cpu target
+    # A manifest written before the field existed reads as built with it off.
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    data = json.loads(built.write(artifact).read_text())
+    del data["inductor_pdl"]
+    (artifact / "manifest.json").write_text(json.dumps(data))
+    assert Manifest.read(artifact).inductor_pdl is False
