@@ -327,6 +327,26 @@ def _details(r: dict) -> list[str]:
             header.append("GPU during the run")
             row.append(_gpu_cell(r["gpu"]))
         lines += _table(header, [row])
+        if r.get("steps"):
+            lines.append(
+                "Engine steps by kind (each timed from its schedule call to the next: with "
+                "async scheduling, the device time of the step before, so at a change of kind "
+                "one step lands in the other row):"
+            )
+            lines.append("")
+            step_rows = [
+                [
+                    kind,
+                    _fmt(x["steps"]),
+                    _fmt(x["seconds"]),
+                    _fmt(x["ms_per_step"]),
+                    _fmt(x["tokens_per_step"]),
+                    _fmt(x["sequences_per_step"]),
+                ]
+                for kind, x in r["steps"].items()
+            ]
+            header = ["steps", "count", "seconds", "ms a step", "tokens a step", "sequences a step"]
+            lines += _table(header, step_rows)
     elif kind == "kv_waste":
         lo, hi = r["prompt_len_range"]
         olo, ohi = r["output_len_range"]

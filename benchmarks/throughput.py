@@ -5,7 +5,8 @@ The shape of vLLM's `bench throughput` with its random dataset: N random token-i
 ignore_eos so every request produces exactly its output length, all handed to one generate call.
 Output tok/s is generated tokens over the wall time of that call; total tok/s adds the prompt
 tokens. A short warmup generate runs first so first-call costs (allocator, lazy compilation)
-are not charged to the measurement.
+are not charged to the measurement. `steps` in the JSON splits the run's time between the
+steps that carried prompt tokens and those that only decoded (`StepLog`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,63 @@ from benchmarks.common import (
 from benchmarks.results import print_table, write_result
 from benchmarks.telemetry import GpuSampler
 from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+STEP_KINDS = ("with prefill", "decode only")
+
+
+class StepLog:
+    """Where an offline run's time went, by kind of engine step: steps that carried prompt
+    tokens (prefill chunks, with the decodes riding along) and steps that only decoded.
+
+    Wraps the engine scheduler's `schedule` for the run and times each step from its schedule
+    call to the next (the last to the end of the run). With async scheduling the host waits
+    in between for the step before to finish on the device, so when the device is the
+    bottleneck an interval is the device time of the step before it: within a run of steps of
+    one kind the times are right, at a change of kind one step lands in the other row."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.marks: list[tuple[float, str, int, int]] = []  # time, kind, tokens, sequences
+        self.end = 0.0
+
+    def __enter__(self) -> StepLog:
+        schedule = self.scheduler.schedule
+
+        def logged():
+            out = schedule()
+            if out.scheduled:
+                prefill = any(
+                    it.num_computed_tokens < it.request.num_prompt_tokens for it in out.scheduled
+                )
+                kind = STEP_KINDS[0] if prefill else STEP_KINDS[1]
+                mark = (time.perf_counter(), kind, out.num_batched_tokens, len(out.scheduled))
+                self.marks.append(mark)
+            return out
+
+        self.scheduler.schedule = logged  # an instance attribute, over the method
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end = time.perf_counter()
+        del self.scheduler.schedule
+
+    def summary(self) -> dict:
+        rows = {
+            kind: {"steps": 0, "seconds": 0.0, "tokens": 0, "sequences": 0} for kind in STEP_KINDS
+        }
+        ends = [m[0] for m in self.marks[1:]] + [self.end]
+        for (start, kind, tokens, sequences), end in zip(self.marks, ends, strict=True):
+            row = rows[kind]
+            row["steps"] += 1
+            row["seconds"] += end - start
+            row["tokens"] += tokens
+            row["sequences"] += sequences
+        for row in rows.values():
+            steps = max(row["steps"], 1)
+            row["ms_per_step"] = 1e3 * row["seconds"] / steps
+            row["tokens_per_step"] = row["tokens"] / steps
+            row["sequences_per_step"] = row.pop("sequences") / steps
+        return rows
 
 
 def bench_throughput(
@@ -53,7 +111,9 @@ def bench_throughput(
     prompts = random_prompts(num_requests, in_lens, vocab, rng)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     preempted_before = llm.engine.stats().num_preemptions_total
-    with GpuSampler(device) as gpu, timed(device) as t:
+    # StepLog's end comes after timed's final synchronize: the last step is timed whole.
+    scheduler = llm.engine.scheduler
+    with GpuSampler(device) as gpu, StepLog(scheduler) as steps, timed(device) as t:
         outputs = llm.generate(prompts, params)
     elapsed = t[0]
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -74,6 +134,7 @@ def bench_throughput(
         "preemptions": llm.engine.stats().num_preemptions_total - preempted_before,
         "offline_output_tok_s": out_tokens / elapsed,
         "gpu": gpu.summary,  # clocks and power through the timed run
+        "steps": steps.summary(),
     }
 
 

@@ -121,6 +121,14 @@ def test_throughput_end_to_end(tiny_model, tmp_path):
     assert set(data) >= RECORD_KEYS
     assert data["offline_output_tok_s"] > 0
     assert data["output_tokens"] == 6 * 5 and data["prompt_tokens"] == 6 * 12
+    # Every scheduled token of the run is in exactly one kind of step: 6 x 12 prompt tokens
+    # plus the 6 x 4 decode steps' tokens (the first output token comes with the prefill).
+    steps = data["steps"]
+    assert set(steps) == set(throughput.STEP_KINDS)
+    assert sum(x["tokens"] for x in steps.values()) == 6 * 12 + 6 * 4
+    assert steps["with prefill"]["steps"] >= 1 and steps["decode only"]["steps"] >= 4
+    assert sum(x["seconds"] for x in steps.values()) <= data["elapsed_s"] + 0.05
+    assert "Engine steps by kind" in render.render(render.load_results(tmp_path))
 
 
 def test_throughput_uses_the_offline_token_budget(tiny_model, tmp_path):
