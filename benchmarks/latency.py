@@ -141,6 +141,8 @@ def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dic
         "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
         "ms_per_step": 1e3 * decode_s / max(decode_steps, 1),
         "median_step_ms": 1e3 * statistics.median(step_s) if step_s else 0.0,
+        # A one-off stall (a compile, a collection) shows here and in the mean, not the median.
+        "max_step_ms": 1e3 * max(step_s) if step_s else 0.0,
         "min_decode_batch": min(batch_sizes, default=0),
         "max_decode_batch": max(batch_sizes, default=0),
         "preemptions": engine.stats().num_preemptions_total - preempted_before,

@@ -93,6 +93,8 @@ def test_latency_end_to_end(tiny_model, tmp_path):
     # Decode counts exactly the tokens after every request's first one, at full batch.
     assert run["decode_tokens"] == 3 * (6 - 1)
     assert run["min_decode_batch"] == 3 and run["preemptions"] == 0
+    # The slowest step, where a one-off stall would show.
+    assert run["max_step_ms"] >= run["median_step_ms"] > 0
     assert data["batches"]["1"]["roofline_pct"] > 0
     assert data["copy_rate_B_s"] == 1e10 and data["copy_rate_source"] == "given"
 
