@@ -45,10 +45,10 @@ INDUCTOR_PDL_ENV = "TORCHINDUCTOR_ENABLE_PDL"
 def inductor_pdl(config: CompileConfig) -> bool:
     """Whether Inductor's kernels use programmatic dependent launch: on the h100 target only
     when TORCHINDUCTOR_ENABLE_PDL (Inductor's own switch) says 1."""
-    value = os.environ.get(INDUCTOR_PDL_ENV, "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise CompileConfigError(f"{INDUCTOR_PDL_ENV}={value!r}: set it to 1 (on) or 0 (off)")
-    return config.target == "h100" and value == "1"
+    from kernels_generated.device import env_switch  # torch, imported by then anyway
+
+    on = env_switch(INDUCTOR_PDL_ENV, default=False, error=CompileConfigError)
+    return config.target == "h100" and on
 
 
 def apply_inductor_settings(config: CompileConfig) -> Path:

@@ -55,16 +55,31 @@ PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # 1: release the next kernel rig
 PDL_MAX_ROWS = 16
 
 
-def _switch(name: str, default: str) -> bool:
-    value = os.environ.get(name, default).strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: set it to 1 (on) or 0 (off)")
-    return value == "1"
+def env_switch(name: str, default: bool, error: type[Exception] = ValueError) -> bool:
+    """An on/off setting from the environment: 1 or 0, unset or empty for `default`; any other
+    value raises `error` saying what to set."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise error(f"{name}={value!r}: set it to 1 (on) or 0 (off)")
+    return default if value == "" else value == "1"
+
+
+@functools.cache
+def pdl_settings() -> tuple[bool, bool, int]:
+    """(on, release the next kernel at once, prefetch limit in bytes) from the environment,
+    read once per process, not at every launch (`pdl_settings.cache_clear()` re-reads it)."""
+    prefetch_mb = os.environ.get(PDL_PREFETCH_ENV, "").strip() or "0"
+    if not prefetch_mb.isdigit():
+        raise ValueError(
+            f"{PDL_PREFETCH_ENV}={prefetch_mb!r}: want a whole number of MiB (0: none)"
+        )
+    on = env_switch(PDL_ENV, default=False)
+    return on, env_switch(PDL_TRIGGER_ENV, default=False), int(prefetch_mb) << 20
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on `device` may use programmatic dependent launch (see above)."""
-    if device.type != "cuda" or not _switch(PDL_ENV, "0"):
+    if device.type != "cuda" or not pdl_settings()[0]:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index) >= (9, 0)
@@ -76,15 +91,12 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     once (COMPILE_ENGINE_PDL_TRIGGER=1)."""
     if rows > PDL_MAX_ROWS or not pdl_enabled(device):
         return 0
-    return 2 if _switch(PDL_TRIGGER_ENV, "0") else 1
+    return 2 if pdl_settings()[1] else 1
 
 
 def pdl_prefetch_bytes() -> int:
     """The largest weight a PDL-launched skinny GEMM prefetches into L2 before it waits."""
-    value = os.environ.get(PDL_PREFETCH_ENV, "0").strip()
-    if not value.isdigit():
-        raise ValueError(f"{PDL_PREFETCH_ENV}={value!r}: want a whole number of MiB (0: none)")
-    return int(value) << 20
+    return pdl_settings()[2]
 
 
 def pdl_launch(enabled: bool) -> dict:

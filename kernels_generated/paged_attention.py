@@ -74,7 +74,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import random
 from dataclasses import dataclass
 
@@ -85,7 +84,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import pdl_launch, pdl_mode, sm_count
+from kernels_generated.device import env_switch, pdl_launch, pdl_mode, sm_count
 from kernels_generated.rotary import rotary_triton
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
@@ -866,10 +865,7 @@ def tiled_prefill_enabled() -> bool:
     """Whether the query-tiled variant may run: yes unless COMPILE_ENGINE_TILED_PREFILL=0
     (to compare against the single-token kernel); read once per process
     (`tiled_prefill_enabled.cache_clear()` re-reads it)."""
-    value = os.environ.get(_TILED_ENV, "1").strip()
-    if value not in ("", "0", "1"):
-        raise PagedAttentionKernelError(f"{_TILED_ENV}={value!r}: set it to 1 (on) or 0 (off)")
-    return value != "0"  # unset or empty: on
+    return env_switch(_TILED_ENV, default=True, error=PagedAttentionKernelError)
 
 
 def choose_tiled(num_tokens: int, num_seqs: int) -> bool:

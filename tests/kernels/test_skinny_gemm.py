@@ -276,12 +276,29 @@ def test_gpu_ragged_rows_match_cublas(n_size, k_size, per_sm):
     assert _rel(got, k.linear_ref(x, w)) < 1e-2
 
 
+@pytest.fixture
+def pdl_env(monkeypatch):
+    """Set a PDL environment setting; the settings are read once per process, so each change
+    re-reads them, and so does the first read after the test (monkeypatch restores the rest)."""
+    from kernels_generated.device import pdl_settings
+
+    def set_env(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        pdl_settings.cache_clear()
+
+    yield set_env
+    pdl_settings.cache_clear()
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("trigger", ["0", "1"])
 @pytest.mark.parametrize("prefetch_mb", ["0", "36"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, monkeypatch):
+def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, pdl_env):
     # COMPILE_ENGINE_PDL=1: attention, the skinny GEMMs and silu_and_mul launch as
     # PDL dependents, each waiting for the kernel ahead before it touches memory and then
     # (trigger 1) releasing the next; the o_proj-sized GEMM may prefetch its weight first.
@@ -305,12 +322,12 @@ def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, monkeyp
         up = k.skinny_gemm(hidden, w_up, **config)
         return k.skinny_gemm(silu_and_mul_triton(up), w_down, split_k=2, **config)
 
-    monkeypatch.setenv(PDL_ENV, "0")
+    pdl_env(PDL_ENV, "0")
     assert pdl_mode(torch.device("cuda"), rows) == 0
     want = layer()
-    monkeypatch.setenv(PDL_ENV, "1")
-    monkeypatch.setenv(PDL_PREFETCH_ENV, prefetch_mb)
-    monkeypatch.setenv(PDL_TRIGGER_ENV, trigger)
+    pdl_env(PDL_ENV, "1")
+    pdl_env(PDL_PREFETCH_ENV, prefetch_mb)
+    pdl_env(PDL_TRIGGER_ENV, trigger)
     assert pdl_mode(torch.device("cuda"), rows) == 1 + int(trigger)
     assert torch.equal(layer(), want)
     graph = torch.cuda.CUDAGraph()
@@ -322,58 +339,58 @@ def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, monkeyp
         assert torch.equal(got, want)
 
 
-def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch):
+def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch, pdl_env):
     # With PDL on and a 36 MiB limit, o_proj's 34 MB weight is prefetched, QKV's 50 MB is not
     # (it would be read from HBM twice), nor an uneven K split or a float32 one; the limit is
     # an environment setting (MiB), 0, the default, prefetching nothing.
     from kernels_generated.device import PDL_PREFETCH_ENV
 
     monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
-    monkeypatch.delenv(PDL_PREFETCH_ENV, raising=False)
+    pdl_env(PDL_PREFETCH_ENV, None)
     x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
     o_proj = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
     qkv = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")
     assert not k.prefetches_weight(x, o_proj, 256, even_k=True)  # none by default
-    monkeypatch.setenv(PDL_PREFETCH_ENV, "36")
+    pdl_env(PDL_PREFETCH_ENV, "36")
     assert k.prefetches_weight(x, o_proj, 256, even_k=True)
     assert not k.prefetches_weight(x, qkv, 256, even_k=True)
     assert not k.prefetches_weight(x, o_proj, 256, even_k=False)
     assert not k.prefetches_weight(x.float(), o_proj.float(), 256, even_k=True)
-    monkeypatch.setenv(PDL_PREFETCH_ENV, "0")
+    pdl_env(PDL_PREFETCH_ENV, "0")
     assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
-    monkeypatch.setenv(PDL_PREFETCH_ENV, "64")
+    pdl_env(PDL_PREFETCH_ENV, "64")
     assert k.prefetches_weight(x, qkv, 256, even_k=True)
-    monkeypatch.setenv(PDL_PREFETCH_ENV, "lots")
+    pdl_env(PDL_PREFETCH_ENV, "lots")
     with pytest.raises(ValueError, match="whole number of MiB"):
         k.prefetches_weight(x, qkv, 256, even_k=True)
-    monkeypatch.setenv(PDL_PREFETCH_ENV, "36")
+    pdl_env(PDL_PREFETCH_ENV, "36")
     monkeypatch.setattr(k, "pdl_enabled", lambda device: False)
     assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
 
 
-def test_pdl_mode_by_device_rows_and_settings(monkeypatch):
+def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
     # Off by default; COMPILE_ENGINE_PDL=1 turns it on for sm_90+ CUDA devices and launches of
     # at most PDL_MAX_ROWS tokens, never on CPU or older GPUs; COMPILE_ENGINE_PDL_TRIGGER=1
     # makes it release the next kernel at once; a setting that is not 0 or 1 is an error.
     import kernels_generated.device as dev
 
     for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV):
-        monkeypatch.delenv(name, raising=False)
+        pdl_env(name, None)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
     assert dev.pdl_mode(cuda, 1) == 0
-    monkeypatch.setenv(dev.PDL_ENV, "1")
+    pdl_env(dev.PDL_ENV, "1")
     assert dev.pdl_mode(cuda, 1) == 1
     assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == 1
     assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
     assert dev.pdl_mode(torch.device("cpu"), 1) == 0
-    monkeypatch.setenv(dev.PDL_TRIGGER_ENV, "1")
+    pdl_env(dev.PDL_TRIGGER_ENV, "1")
     assert dev.pdl_mode(cuda, 1) == 2
-    monkeypatch.setenv(dev.PDL_ENV, "0")
+    pdl_env(dev.PDL_ENV, "0")
     assert dev.pdl_mode(cuda, 1) == 0
-    monkeypatch.setenv(dev.PDL_ENV, "on")
+    pdl_env(dev.PDL_ENV, "on")
     with pytest.raises(ValueError, match="set it to 1 .on. or 0"):
         dev.pdl_mode(cuda, 1)
-    monkeypatch.setenv(dev.PDL_ENV, "1")
+    pdl_env(dev.PDL_ENV, "1")
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (8, 0))
     assert dev.pdl_mode(cuda, 1) == 0
