@@ -5,24 +5,24 @@ Split-KV attention (paged and MLA) and the skinny GEMM's even row partition size
 from the number of SMs. On CPU the kernels run under the Triton interpreter, which has no SMs:
 a fixed count keeps every choice deterministic there.
 
-Programmatic dependent launch (PDL, sm_90+; COMPILE_ENGINE_PDL=1, off by default): in
-launches of at most PDL_MAX_ROWS tokens (the skinny GEMM's rows, the decode tokens of
+Programmatic dependent launch (PDL, sm_90+, on by default; COMPILE_ENGINE_PDL=0 turns it
+off): in launches of at most PDL_MAX_ROWS tokens (the skinny GEMM's rows, the decode tokens of
 attention and silu_and_mul) our kernels launch as PDL dependents: the kernel may start before
 the one ahead of it ends, and each program waits (griddepcontrol.wait) for that kernel to
-finish before it touches memory, so launch and set-up overlap the kernel ahead. Read at
-launch, so inside a CUDA graph it is fixed at capture. Off by default because its gain was
-measured only beside Inductor's PDL, which is off (compiler/config.py says why), and with
-gate_up and down on the skinny GEMM (scripts/device/skinny_gemm_mlp_triton.json, through
-COMPILE_ENGINE_SKINNY_GEMM_CONFIGS), so that every kernel of a batch-1 layer was a dependent.
+finish before it touches memory, so launch and set-up overlap the kernel ahead. Read once per
+process (pdl_settings), so inside a CUDA graph it is fixed at capture. With gate_up and down
+on the skinny GEMM at <= 16 rows too (kernels_generated/configs/skinny_gemm.json), every
+kernel of a batch-1 layer but Inductor's fused norms is a dependent.
 Two variants stay behind settings for experiments, both measured as losses: releasing the next
 kernel at once (griddepcontrol.launch_dependents right after the wait; COMPILE_ENGINE_PDL_TRIGGER
 =1) and, before the wait, prefetching the skinny GEMM's weight into L2 (weights up to
 COMPILE_ENGINE_PDL_PREFETCH_MB MiB; 0, the default, none).
-Measured on the H200 (`bench latency`, batch 1, variants alternating in one call; docs/
-compiler.md section 6): at 8ca2af7 with Inductor's PDL on, ours 231.0 / 231.1 against 230.2 /
-230.3 tok/s, with gate_up and down on the skinny GEMM as well 235.3 / 235.2, those two alone
-232.4 / 232.3; at fe23f5b ours releasing at once 225.7 / 223.8 against 229.2 / 229.6, with
-the o_proj prefetch 223.2 / 221.4. Without Inductor's PDL: not measured.
+Measured on the H200 (`bench latency`, variants alternating in one call; docs/compiler.md
+section 6): at 57cd701 (Inductor's PDL off) ours with gate_up and down on the skinny GEMM 232.0
+/ 232.2 tok/s at batch 1 against 228.8 / 229.3 off and 228.6 / 229.2 ours with those two on
+cuBLAS, batch 64 and 256 within 0.4%; at 8ca2af7 with Inductor's PDL on, 235.3 / 235.2 against
+230.2 / 230.3; at fe23f5b ours releasing at once 225.7 / 223.8 against 229.2 / 229.6, with the
+o_proj prefetch 223.2 / 221.4.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-PDL_ENV = "COMPILE_ENGINE_PDL"  # 1: on
+PDL_ENV = "COMPILE_ENGINE_PDL"  # 0: off
 PDL_PREFETCH_ENV = "COMPILE_ENGINE_PDL_PREFETCH_MB"  # largest weight a GEMM prefetches; 0: none
 PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # 1: release the next kernel right after the wait
 # Launches of more tokens stay plain: measured at batch 64 and 256 (9f6b2fa), ours within the
@@ -73,7 +73,7 @@ def pdl_settings() -> tuple[bool, bool, int]:
         raise ValueError(
             f"{PDL_PREFETCH_ENV}={prefetch_mb!r}: want a whole number of MiB (0: none)"
         )
-    on = env_switch(PDL_ENV, default=False)
+    on = env_switch(PDL_ENV, default=True)
     return on, env_switch(PDL_TRIGGER_ENV, default=False), int(prefetch_mb) << 20
 
 

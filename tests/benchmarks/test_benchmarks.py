@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import breakdown, cli, kv_waste, latency, make_model, render, throughput
 from benchmarks.results import FLAT_KEYS, device_slug, write_result
@@ -166,6 +167,17 @@ def test_breakdown_kernel_kinds():
     assert breakdown.kernel_kind("_rotary_kernel") == "rotary"
     assert breakdown.kernel_kind("Memcpy DtoD (Device -> Device)") == "copies"
     assert breakdown.kernel_kind("something_else") == "other"
+
+
+def test_breakdown_counts_device_events_only():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert breakdown.is_device_event("_paged_attention_kernel", cuda)
+    assert breakdown.is_device_event("Memcpy DtoD (Device -> Device)")
+    assert not breakdown.is_device_event("aten::mm", cpu)
+    assert not breakdown.is_device_event("aten::mm")
+    # torch 2.11 / CUDA 13 files the profiler's step annotation as a device event.
+    assert not breakdown.is_device_event("ProfilerStep*", cuda)
+    assert not breakdown.is_device_event("ProfilerStep*")
 
 
 def test_kv_waste_within_one_partial_block(tiny_model, tmp_path):

@@ -299,7 +299,7 @@ def pdl_env(monkeypatch):
 @pytest.mark.parametrize("prefetch_mb", ["0", "36"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, pdl_env):
-    # COMPILE_ENGINE_PDL=1: attention, the skinny GEMMs and silu_and_mul launch as
+    # PDL on (the default on sm_90): attention, the skinny GEMMs and silu_and_mul launch as
     # PDL dependents, each waiting for the kernel ahead before it touches memory and then
     # (trigger 1) releasing the next; the o_proj-sized GEMM may prefetch its weight first.
     # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
@@ -369,8 +369,8 @@ def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch, pdl_env):
 
 
 def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
-    # Off by default; COMPILE_ENGINE_PDL=1 turns it on for sm_90+ CUDA devices and launches of
-    # at most PDL_MAX_ROWS tokens, never on CPU or older GPUs; COMPILE_ENGINE_PDL_TRIGGER=1
+    # On by default for sm_90+ CUDA devices and launches of at most PDL_MAX_ROWS tokens, never
+    # on CPU or older GPUs; COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1
     # makes it release the next kernel at once; a setting that is not 0 or 1 is an error.
     import kernels_generated.device as dev
 
@@ -378,8 +378,6 @@ def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
         pdl_env(name, None)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
-    assert dev.pdl_mode(cuda, 1) == 0
-    pdl_env(dev.PDL_ENV, "1")
     assert dev.pdl_mode(cuda, 1) == 1
     assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == 1
     assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
