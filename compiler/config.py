@@ -51,6 +51,27 @@ def inductor_pdl(config: CompileConfig) -> bool:
     return config.target == "h100" and on
 
 
+def pin_triton_toolchain() -> None:
+    """Point Triton at the ptxas (and, as Inductor's settings say, libdevice) that Inductor
+    compiles its own kernels with, before anything compiles.
+
+    Inductor sets these paths in the process only when it compiles a kernel there, not when its
+    compile workers do, and they enter every Triton kernel's cache key, ours included. A build
+    compiles Inductor's kernels in workers; a load of an artifact whose Inductor kernels cannot
+    be launched statically (TORCHINDUCTOR_ENABLE_PDL=1) compiles them in the process, so our
+    kernels hashed differently there and all 21-23 compiled again at load (H200, 70ccb5a:
+    identical Triton IR and metadata, new cache keys; ready in 35 s). Set first, build and
+    load agree whichever way Inductor compiles."""
+    from torch._inductor.runtime import compile_tasks
+
+    compile_tasks._set_triton_ptxas_path()
+    # Newer torch also swaps in CUDA's libdevice (when its eager-numerics settings ask); where
+    # torch has no such step, Inductor does not take it either.
+    set_libdevice = getattr(compile_tasks, "_set_triton_libdevice_path", None)
+    if set_libdevice is not None:
+        set_libdevice()
+
+
 def apply_inductor_settings(config: CompileConfig) -> Path:
     """Point Inductor and Triton at the cache dir and set the options our artifacts rely on.
     Returns the cache dir in use."""
@@ -74,9 +95,11 @@ def apply_inductor_settings(config: CompileConfig) -> Path:
     # TORCHINDUCTOR_ENABLE_PDL=1. On the H200 it took batch 1 from 226.6 / 226.2 to 233.2 /
     # 234.3 tok/s (9f6b2fa), but Inductor's static launcher refuses PDL kernels, so a start
     # from an artifact compiled 21 Triton kernels again (ready in 26.6 s against 9.8, 2bf3115)
-    # and one batch-256 latency run stalled 1.07 s. It enters Inductor's cache key, so build
-    # and load must agree.
+    # and one batch-256 latency run stalled 1.07 s (the recompiles were ours: see
+    # pin_triton_toolchain). It enters Inductor's cache key, so build and load must agree.
     inductor_config.triton.enable_pdl = inductor_pdl(config)
+    if config.target == "h100":
+        pin_triton_toolchain()
     # Floats such as eps stay constants in the graph instead of becoming inputs.
     dynamo_config.specialize_float = True
     # One graph per model is captured once; later calls must never retrace it.

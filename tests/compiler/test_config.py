@@ -33,6 +33,9 @@ def test_inductor_pdl_is_on_only_when_asked_for_and_only_for_h100(monkeypatch):
     ("target", "env", "want"), [("h100", "1", True), ("h100", "0", False), ("cpu", "1", False)]
 )
 def test_apply_inductor_settings_sets_pdl(target, env, want, tmp_path, monkeypatch):
+    from torch._inductor.runtime import compile_tasks
+
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: None)
     monkeypatch.setenv(INDUCTOR_PDL_ENV, env)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -40,6 +43,22 @@ def test_apply_inductor_settings_sets_pdl(target, env, want, tmp_path, monkeypat
     with inductor_config.patch({"triton.enable_pdl": not want, "fx_graph_cache": True}):
         apply_inductor_settings(CompileConfig(target=target, cache_dir=tmp_path))
         assert inductor_config.triton.enable_pdl is want
+
+
+@pytest.mark.parametrize(("target", "pinned"), [("h100", True), ("cpu", False)])
+def test_h100_settings_pin_triton_to_inductors_ptxas(target, pinned, tmp_path, monkeypatch):
+    # The ptxas Triton uses enters every kernel's cache key. Inductor switches to torch's own
+    # only when it compiles in this process, so the h100 settings switch first: otherwise a
+    # load that compiles Inductor's kernels here (PDL on) recompiles all of ours.
+    from torch._inductor.runtime import compile_tasks
+
+    calls = []
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: calls.append("ptxas"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    with inductor_config.patch({"fx_graph_cache": True}):
+        apply_inductor_settings(CompileConfig(target=target, cache_dir=tmp_path))
+    assert (calls == ["ptxas"]) is pinned
 
 
 def test_an_artifact_built_with_the_other_inductor_pdl_setting_is_refused(tmp_path, monkeypatch):
