@@ -213,7 +213,10 @@ def render(results: list[dict]) -> str:
 
 
 def _versions(r: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
+    text = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
+    if env := r.get("environment"):
+        text += "; environment " + " ".join(f"`{k}={v}`" for k, v in env.items())
+    return text
 
 
 def _model_line(r: dict) -> str:

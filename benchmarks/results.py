@@ -39,6 +39,26 @@ _PACKAGES = ("torch", "triton", "transformers", "helion", "safetensors")
 # The GPU machine's tree is a copy without .git; whoever runs there names the commit.
 COMMIT_ENV = "COMPILE_ENGINE_COMMIT"
 
+# Environment switches that change what runs (ours, Inductor's, Triton's): a run with
+# TORCHINDUCTOR_ENABLE_PDL=1 must not read as the defaults. Not the places caches live.
+_SETTING_PREFIXES = ("COMPILE_ENGINE_", "TORCHINDUCTOR_", "TRITON_")
+_NOT_SETTINGS = {COMMIT_ENV, "COMPILE_ENGINE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+
+
+def environment_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The switches set in `environ` (the process environment by default)."""
+    env = os.environ if environ is None else environ
+    return {
+        k: v
+        for k, v in sorted(env.items())
+        if k.startswith(_SETTING_PREFIXES) and k not in _NOT_SETTINGS
+    }
+
+
+# As the benchmark process started: the engine later sets some itself (Triton's ptxas, see
+# compiler/config.py), which are not the user's choice.
+LAUNCH_SETTINGS = environment_settings()
+
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
     """(commit, dirty); COMMIT_ENV wins when set (the GPU machine's copy of the tree carries
@@ -149,6 +169,7 @@ def write_result(
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": info,
         "versions": versions(),
+        "environment": LAUNCH_SETTINGS,
         **payload,
     }
     directory = Path(directory)

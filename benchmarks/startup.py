@@ -154,6 +154,7 @@ def build_and_load(model: str, target: str, dtype: str, artifact: Path, engine: 
     misses = [p for p in result["pieces"] if p["cache"] != "hit"]
     breakdown = {k: v for k, v in result.items() if k not in ("pieces", "ready_s")}
     return {
+        "benchmark": "startup",
         "model": model,
         "target": target,
         "cold_build_s": round(build_s, 2),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import breakdown, cli, kv_waste, latency, make_model, render, throughput
-from benchmarks.results import FLAT_KEYS, device_slug, write_result
+from benchmarks.results import FLAT_KEYS, device_slug, environment_settings, write_result
 
 RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
 
@@ -220,6 +220,25 @@ def test_kv_waste_refuses_prefix_caching(tiny_model):
         kv_waste.bench_kv_waste(llm, num_requests=2)
 
 
+def test_results_record_the_switches_not_the_caches():
+    env = {
+        "TORCHINDUCTOR_ENABLE_PDL": "1",
+        "COMPILE_ENGINE_PDL": "0",
+        "TRITON_PTXAS_PATH": "/x/ptxas",
+        "TRITON_CACHE_DIR": "/tmp/t",
+        "COMPILE_ENGINE_CACHE_DIR": "/tmp/c",
+        "COMPILE_ENGINE_COMMIT": "abc",
+        "HOME": "/root",
+    }
+    assert environment_settings(env) == {
+        "COMPILE_ENGINE_PDL": "0",
+        "TORCHINDUCTOR_ENABLE_PDL": "1",
+        "TRITON_PTXAS_PATH": "/x/ptxas",
+    }
+    line = render._versions({"versions": {"torch": "2.11.0"}, "environment": env})
+    assert "`TORCHINDUCTOR_ENABLE_PDL=1`" in line and line.startswith("torch 2.11.0")
+
+
 def test_write_result_names_and_records(tmp_path):
     path = write_result("unit", {"decode_bs1_tok_s": 1.5}, tmp_path, device="cpu")
     data = json.loads(path.read_text())
@@ -227,6 +246,7 @@ def test_write_result_names_and_records(tmp_path):
     assert re.fullmatch(rf"unit-cpu-[a-z0-9-]+-{re.escape(tag)}\.json", path.name)
     assert set(data) >= RECORD_KEYS and data["decode_bs1_tok_s"] == 1.5
     assert "torch" in data["versions"] and "python" in data["versions"]
+    assert isinstance(data["environment"], dict)
     assert device_slug({"type": "cuda", "name": "NVIDIA H200"}) == "nvidia-h200"
     assert device_slug({"type": "cpu", "cpu": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz"}) == (
         "cpu-intel-xeon-gold-6338"
