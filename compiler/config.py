@@ -92,10 +92,10 @@ def apply_inductor_settings(config: CompileConfig) -> Path:
     # because it enters Inductor's cache key.
     inductor_config.cpp.vec_isa_ok = True
     # Programmatic dependent launch for Inductor's Triton kernels: off unless
-    # TORCHINDUCTOR_ENABLE_PDL=1. On the H200 it took batch 1 from 226.6 / 226.2 to 233.2 /
-    # 234.3 tok/s (9f6b2fa), but Inductor's static launcher refuses PDL kernels, so a start
-    # from an artifact compiled 21 Triton kernels again (ready in 26.6 s against 9.8, 2bf3115)
-    # and one batch-256 latency run stalled 1.07 s (the recompiles were ours: see
+    # TORCHINDUCTOR_ENABLE_PDL=1. With ours off it took batch 1 from 226.6 / 226.2 to 233.2 /
+    # 234.3 tok/s (9f6b2fa); with ours on (the default since 70ccb5a) 234.3 / 234.9 against
+    # 233.7 / 234.2, batch 64 13,097 against 13,212 (465b34f, H200, one call): within the
+    # spread, so it stays off. Its load-time recompiles (2bf3115) were ours and are gone (see
     # pin_triton_toolchain). It enters Inductor's cache key, so build and load must agree.
     inductor_config.triton.enable_pdl = inductor_pdl(config)
     if config.target == "h100":
