@@ -42,7 +42,12 @@ COMMIT_ENV = "COMPILE_ENGINE_COMMIT"
 # Environment switches that change what runs (ours, Inductor's, Triton's): a run with
 # TORCHINDUCTOR_ENABLE_PDL=1 must not read as the defaults. Not the places caches live.
 _SETTING_PREFIXES = ("COMPILE_ENGINE_", "TORCHINDUCTOR_", "TRITON_")
-_NOT_SETTINGS = {COMMIT_ENV, "COMPILE_ENGINE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+_NOT_SETTINGS = {
+    COMMIT_ENV,
+    "COMPILE_ENGINE_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+}
 
 
 def environment_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
