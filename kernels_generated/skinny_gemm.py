@@ -78,6 +78,7 @@ from kernels_generated.device import (
     pdl_prefetch_bytes,
     sm_count,
 )
+from models.ops import add_rms_norm_ref
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ CONFIG_FILE = Path(
 MAX_ROWS = 256  # above this the GEMM is compute-bound and cuBLAS's tiles are right
 MAX_TILES = 1 << 16  # split-K counters per device: cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M) tiles
 MODES = {"dot": 0, "swap": 1, "fma": 2}
+# The fused norm (add_rms_norm_gemm) re-reads x and the residual in every program: for the few
+# rows of a batch-1..16 decode step, a few KB to 128 KB from L2 against the norm kernel it saves.
+NORM_MAX_ROWS = 16
 KERNELS = ("triton", "cublas", "cublaslt")  # what a tuned entry may run
 
 
@@ -110,6 +114,12 @@ def _skinny_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    res_ptr,  # NORM: [M, K] residual, unit stride along K (else unused)
+    g_ptr,  # NORM: [K] norm weight
+    sum_ptr,  # NORM: [M, K] out, x + residual (the residual stream's next value)
+    stride_rm,
+    stride_sm,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,6 +128,7 @@ def _skinny_gemm_kernel(
     RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
     PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
     PREFETCH: tl.constexpr = False,  # PDL only: stream this program's w into L2 before waiting
+    NORM: tl.constexpr = False,  # x := rms_norm(x + residual) * g on the fly (add_rms_norm_gemm)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,6 +171,25 @@ def _skinny_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    if NORM:
+        # The norm's mean of squares runs over the whole row, before this program's K-slice
+        # is normalised: every program reads its rows of x and the residual once more (at
+        # most NORM_MAX_ROWS rows of K elements, from L2 after the first), where the unfused
+        # layer runs a norm kernel and its launch. The sum is rounded to the activation dtype
+        # first, as the residual stream it becomes is.
+        r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
+        s_ptrs = sum_ptr + offs_m[:, None].to(tl.int64) * stride_sm + (k_start + offs_k)[None, :]
+        g_ptrs = g_ptr + k_start + offs_k
+        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for kk in range(0, K, BLOCK_K):
+            in_row = mask_m[:, None] & ((kk + offs_k) < K)[None, :]
+            xo = offs_m[:, None].to(tl.int64) * stride_xm + (kk + offs_k)[None, :]
+            ro = offs_m[:, None].to(tl.int64) * stride_rm + (kk + offs_k)[None, :]
+            xs = tl.load(x_ptr + xo, mask=in_row, other=0.0)
+            rs = tl.load(res_ptr + ro, mask=in_row, other=0.0)
+            row = (xs.to(tl.float32) + rs.to(tl.float32)).to(xs.dtype).to(tl.float32)
+            squares += row * row
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     if MODE == 0:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
@@ -172,6 +202,29 @@ def _skinny_gemm_kernel(
             in_k = (k_start + k + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        if NORM:
+            # HF's rounding: the sum in the activation dtype, normalised in float32 and
+            # rounded back, then scaled by the weight in the activation dtype.
+            # float32 arithmetic rounded where the reference rounds: a half-precision op on
+            # the GPU is that anyway, and the interpreter computes bf16 wrongly.
+            if EVEN_K:
+                g = tl.load(g_ptrs)
+                rs = tl.load(r_ptrs, mask=mask_m[:, None], other=0.0)
+                row = (x.to(tl.float32) + rs.to(tl.float32)).to(x.dtype)
+                if pid_n == 0:
+                    tl.store(s_ptrs, row, mask=mask_m[:, None])
+            else:
+                in_k = (k_start + k + offs_k) < K
+                g = tl.load(g_ptrs, mask=in_k, other=0.0)
+                rs = tl.load(r_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+                row = (x.to(tl.float32) + rs.to(tl.float32)).to(x.dtype)
+                if pid_n == 0:
+                    tl.store(s_ptrs, row, mask=mask_m[:, None] & in_k[None, :])
+            normed = (row.to(tl.float32) * rstd[:, None]).to(x.dtype)
+            x = (g[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+            r_ptrs += BLOCK_K
+            s_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
         if MODE == 0:
             acc = tl.dot(x, tl.trans(w), acc)
         elif MODE == 1:
@@ -268,17 +321,63 @@ def skinny_gemm(
     programs_per_sm > 0: the rows are shared out evenly among that many programs per SM
     (RAGGED), block_n rounded up to hold a share, instead of a program per block_n rows."""
     _validate(x, w)
+    config = dict(mode=mode, block_m=block_m, block_n=block_n, block_k=block_k,
+                  split_k=split_k, num_warps=num_warps, num_stages=num_stages,
+                  programs_per_sm=programs_per_sm)  # fmt: skip
+    return _launch(x, w, None, **config)[0]
+
+
+def add_rms_norm_gemm(
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, **config
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual) @ w^T, x + residual) in one launch, `skinny_gemm`'s config
+    arguments: the norm is applied to each x tile as the GEMM loads it, and the programs of
+    the first weight rows write the residual sum. At most NORM_MAX_ROWS rows: every program
+    reads all of x and the residual for the norm's mean of squares."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
+        raise SkinnyGemmError(
+            f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
+            f"{norm_weight.dtype} must match x {tuple(x.shape)} {x.dtype}"
+        )
+    if norm_weight.shape != (x.shape[1],):
+        raise SkinnyGemmError(f"norm weight {tuple(norm_weight.shape)}, want ({x.shape[1]},)")
+    if x.shape[0] > NORM_MAX_ROWS:
+        raise SkinnyGemmError(f"{x.shape[0]} rows: the fused norm takes at most {NORM_MAX_ROWS}")
+    _validate(x, w)
+    out, summed = _launch(x, w, (residual, norm_weight, eps), **config)
+    return out, summed
+
+
+def _launch(
+    x: Tensor,
+    w: Tensor,
+    norm: tuple[Tensor, Tensor, float] | None,
+    *,
+    mode: str = "swap",
+    block_m: int = 16,
+    block_n: int = 32,
+    block_k: int = 256,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    programs_per_sm: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     num_rows, k_size = x.shape
     n_size = w.shape[0]
     out = torch.empty(num_rows, n_size, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if norm is not None else None
     if num_rows == 0:
-        return out
+        return out, summed
     if mode == "fma":
         block_m = triton.next_power_of_2(num_rows) if num_rows < block_m else block_m
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
+    residual, norm_weight, eps = norm if norm is not None else (x, x, 0.0)
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    norm_weight = norm_weight.contiguous()
     split_k = max(1, min(split_k, triton.cdiv(k_size, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k_size, split_k), block_k) * block_k
     split_k = triton.cdiv(k_size, k_per_split)  # no empty trailing slices
@@ -297,6 +396,7 @@ def skinny_gemm(
         workspace = torch.empty(split_k, num_rows, n_size, dtype=torch.float32, device=x.device)
     else:
         workspace = out
+    sum_out = summed if summed is not None else x
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _skinny_gemm_kernel[grid](
             x,
@@ -312,6 +412,12 @@ def skinny_gemm(
             x.stride(0),
             w.stride(0),
             out.stride(0),
+            residual,
+            norm_weight,
+            sum_out,
+            residual.stride(0),
+            sum_out.stride(0),
+            eps,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -320,11 +426,12 @@ def skinny_gemm(
             RAGGED=programs_per_sm > 0,
             PDL=pdl,
             PREFETCH=pdl > 0 and prefetches_weight(x, w, block_k, even_k),
+            NORM=norm is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_launch(pdl > 0),
         )
-    return out
+    return out, summed
 
 
 # --------------------------------------------------------------------------- tuned choice
@@ -407,6 +514,53 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 @linear.register_fake
 def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def fuses_norm(x: Tensor, w: Tensor) -> tuple[bool, dict]:
+    """Whether `add_rms_norm_linear` runs fused for these rows (the weight's tuned kernel is
+    the Triton skinny GEMM and there are at most NORM_MAX_ROWS rows), and its config."""
+    kernel, config = choose(x, w)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return kernel == "triton" and rows <= NORM_MAX_ROWS, config
+
+
+# The op the add_rms_norm_into_gemm pass swaps in for add_rms_norm feeding a bias-free linear:
+# (linear(rms_norm(x + residual)), x + residual).
+@torch.library.custom_op("ce_kernels::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor
+) -> tuple[Tensor, Tensor]:
+    """At most NORM_MAX_ROWS rows where the weight's tuned kernel is Triton: the norm fused
+    into the skinny GEMM (one launch). Otherwise the norm as `ce::add_rms_norm` computes it
+    (the Triton norm kernel on CUDA, the reference elsewhere), then `linear`."""
+    fused, config = fuses_norm(x, w)
+    if fused:
+        flat = x.reshape(-1, x.shape[-1])
+        out, summed = add_rms_norm_gemm(
+            flat, residual.reshape(flat.shape), norm_weight, eps, w, **config
+        )
+        return out.view(*x.shape[:-1], w.shape[0]), summed.view(x.shape)
+    if x.is_cuda and not INTERPRETED:
+        from kernels_generated.add_rms_norm import rms_norm_triton
+
+        normed, summed = rms_norm_triton(x, norm_weight, eps, residual)
+    else:
+        normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
+    return linear(normed, w), summed
+
+
+@add_rms_norm_linear.register_fake
+def _add_rms_norm_linear_fake(
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor
+) -> tuple[Tensor, Tensor]:
+    return x.new_empty(*x.shape[:-1], w.shape[0]), torch.empty_like(x)
+
+
+def add_rms_norm_linear_ref(
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor
+) -> tuple[Tensor, Tensor]:
+    normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
+    return linear_ref(normed, w), summed
 
 
 # --------------------------------------------------------------------------- check

@@ -41,6 +41,7 @@ def select(spec: str | None) -> list[GraphPass]:
 
 def load_all() -> None:
     """Import every pass module so that its @register runs (explicit, not at import of passes)."""
+    import passes.add_rms_norm_into_gemm  # noqa: F401  (before rms_norm_triton, skinny_gemm)
     import passes.fuse_rotary_attention  # noqa: F401  (before paged_attention, rotary_triton)
     import passes.lower_to_reference  # noqa: F401
     import passes.mla_absorb  # noqa: F401

@@ -132,6 +132,81 @@ def test_interpreted_op_dispatches_by_table(use_table, monkeypatch):
     assert not launched
 
 
+def _norm_inputs(rows: int, k_size: int, dtype: torch.dtype, device: str = "cpu"):
+    gen = torch.Generator(device=device).manual_seed(rows * 7 + k_size)
+    residual = torch.randn(rows, k_size, generator=gen, device=device).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(k_size, generator=gen, device=device)).to(dtype)
+    return residual, norm_weight
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n_size,k_size", [(1, 40, 80), (3, 48, 72), (16, 24, 64)])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_interpreted_fused_norm_matches_reference(name, rows, n_size, k_size, dtype):
+    # rms_norm(x + residual) applied to each x tile as the GEMM loads it: the output against
+    # the norm then F.linear, and the residual sum (written by the first weight rows'
+    # programs, every K-slice of a split) exactly the reference's.
+    mode, bm, bn, bk, split = CONFIGS[name]
+    x, w = _inputs(rows, n_size, k_size, dtype)
+    residual, norm_weight = _norm_inputs(rows, k_size, dtype)
+    got, summed = k.add_rms_norm_gemm(
+        x, residual, norm_weight, 1e-5, w, mode=mode, block_m=bm, block_n=bn, block_k=bk,
+        split_k=split,
+    )  # fmt: skip
+    want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w)
+    assert torch.equal(summed, want_summed)
+    assert got.dtype == dtype and got.shape == (rows, n_size)
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=0, atol=(1e-5 if dtype == torch.float32 else 4e-3)
+    )
+
+
+@interpreted
+def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch):
+    # Fused where the weight's tuned kernel is Triton and the rows are few; the norm then the
+    # table's GEMM otherwise (here cuBLAS at 32 rows, and above NORM_MAX_ROWS even where the
+    # table says Triton); the same two outputs either way.
+    swap = {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16, "block_k": 16,
+            "split_k": 2, "num_warps": 4, "num_stages": 2}  # fmt: skip
+    use_table(table_of({(24, 32, 1): swap, (24, 32, 16): swap, (24, 32, 32): {"kernel": "cublas"},
+                        (24, 32, 64): swap}))  # fmt: skip
+    fused = []
+    real = k.add_rms_norm_gemm
+    monkeypatch.setattr(k, "add_rms_norm_gemm", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    for rows, runs_fused in ((1, True), (16, True), (17, False), (32, False), (64, False)):
+        x, w = _inputs(rows, 24, 32, torch.float16)
+        residual, norm_weight = _norm_inputs(rows, 32, torch.float16)
+        fused.clear()
+        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-6, w)
+        want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-6, w)
+        assert torch.equal(summed, want_summed)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=4e-3)
+        assert bool(fused) == runs_fused, rows
+
+
+def test_fused_norm_refuses_what_it_cannot_fuse():
+    x, w = _inputs(2, 8, 16, torch.float32)
+    residual, norm_weight = _norm_inputs(2, 16, torch.float32)
+    with pytest.raises(k.SkinnyGemmError, match="must match x"):
+        k.add_rms_norm_gemm(x, residual.half(), norm_weight, 1e-5, w)
+    with pytest.raises(k.SkinnyGemmError, match="norm weight"):
+        k.add_rms_norm_gemm(x, residual, norm_weight[:8], 1e-5, w)
+    big_x, big_w = _inputs(k.NORM_MAX_ROWS + 1, 8, 16, torch.float32)
+    big_r, _ = _norm_inputs(k.NORM_MAX_ROWS + 1, 16, torch.float32)
+    with pytest.raises(k.SkinnyGemmError, match="at most"):
+        k.add_rms_norm_gemm(big_x, big_r, norm_weight, 1e-5, big_w)
+
+
+def test_fused_norm_op_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, r, g, w = torch.empty(7, 32), torch.empty(7, 32), torch.empty(32), torch.empty(48, 32)
+        out, summed = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w)
+    assert out.shape == (7, 48) and summed.shape == (7, 32)
+
+
 @pytest.mark.parametrize("mode", ["swap", "dot", "fma"])
 def test_parent_process_refuses_cpu_tensors(mode):
     if k.INTERPRETED:
@@ -204,8 +279,11 @@ def test_cpu_kernel_cases_in_one_child():
         pytest.skip("this is the child")
     from passes.testing import run_interpreted
 
-    pass_test = HERE.parent / "passes" / "test_skinny_gemm_pass.py"
-    child = run_interpreted(Path(__file__), "TRITON_INTERPRET", str(pass_test), "-k", "interpreted")
+    passes = HERE.parent / "passes"
+    pass_tests = [
+        str(passes / f) for f in ("test_skinny_gemm_pass.py", "test_add_rms_norm_into_gemm.py")
+    ]
+    child = run_interpreted(Path(__file__), "TRITON_INTERPRET", *pass_tests, "-k", "interpreted")
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     summary = child.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, child.stdout[-2000:]
@@ -248,6 +326,35 @@ def test_gpu_cublaslt_cells_match_and_restore_the_library():
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
         assert _rel(k.linear(x, w), k.linear_ref(x, w)) < 1e-2, key
         assert torch.backends.cuda.preferred_blas_library() == before
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_fused_norm_matches_reference_in_tuned_cells():
+    # Every tuned Triton cell of a weight a norm feeds (K = hidden) at <= NORM_MAX_ROWS rows,
+    # through the op as the engine calls it, eager and replayed in a CUDA graph: the residual
+    # sum bit-equal to the reference's, the output within a bf16 GEMM's error.
+    cells = [
+        (key, config)
+        for key, config in _tuned_cells("triton")
+        if key["K"] == 4096 and key["M"] <= k.NORM_MAX_ROWS
+    ]
+    if not cells:
+        pytest.skip("no Triton entry at <= NORM_MAX_ROWS rows: the op never fuses")
+    for key, _ in cells:
+        x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
+        residual, norm_weight = _norm_inputs(key["M"], key["K"], torch.bfloat16, "cuda")
+        assert k.fuses_norm(x, w)[0], key
+        want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w)
+        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-5, w)
+        assert torch.equal(summed, want_summed), key
+        assert _rel(got, want) < 1e-2, key
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed, replayed_summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-5, w)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got) and torch.equal(replayed_summed, summed), key
 
 
 @pytest.mark.gpu

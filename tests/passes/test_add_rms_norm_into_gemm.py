@@ -1,0 +1,99 @@
+"""add_rms_norm_into_gemm: which norms it takes on h100 in half precision (those feeding a
+bias-free linear), none elsewhere; numerics with it off, the fused kernel really running (a
+table tuned for the tiny model's weights).
+
+The numerics case runs the Triton kernel, which on CPU needs TRITON_INTERPRET=1 from the start
+of the process: it runs in the child that tests/kernels/test_skinny_gemm.py starts."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from passes.base import PassContext
+from passes.registry import select
+from passes.testing import (
+    apply_pass,
+    assert_numerics_unchanged,
+    capture_graph,
+    count_matches,
+    make_model_dir,
+    targets_of,
+)
+
+LAYERS = 2  # tests/tiny_models
+# Layer 0's input norm has no residual yet (rms_norm) and the final norm feeds lm_head outside
+# the graph: the post-attention norm of every layer and the input norm of the others.
+MATCHES = 2 * LAYERS - 1
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_graph("llama")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_takes_every_norm_that_feeds_a_linear(graph, dtype):
+    ctx = PassContext("h100", dtype)
+    assert count_matches("add_rms_norm_into_gemm", graph, ctx) == MATCHES
+    targets = targets_of(apply_pass("add_rms_norm_into_gemm", graph, ctx))
+    fused = torch.ops.ce_kernels.add_rms_norm_linear.default
+    assert targets.count(fused) == MATCHES
+    assert targets.count(torch.ops.ce.add_rms_norm.default) == 1  # the final norm
+    # 4 linears a layer, one of them now inside each fused op.
+    assert targets.count(F.linear) == 4 * LAYERS - MATCHES
+    assert operator.getitem in targets
+
+
+@pytest.mark.parametrize(
+    "ctx", [PassContext("cpu", torch.float32), PassContext("h100", torch.float32)]
+)
+def test_does_not_apply_on_cpu_or_in_float32(graph, ctx):
+    assert count_matches("add_rms_norm_into_gemm", graph, ctx) == 0
+
+
+def test_off_by_default_and_before_the_passes_it_would_race():
+    assert "add_rms_norm_into_gemm" not in [p.name for p in select(None)]
+    chosen = [p.name for p in select("+add_rms_norm_into_gemm,+rms_norm_triton")]
+    assert chosen.index("add_rms_norm_into_gemm") < chosen.index("rms_norm_triton")
+    assert chosen.index("add_rms_norm_into_gemm") < chosen.index("skinny_gemm")
+
+
+@pytest.mark.interpreted_child("TRITON_INTERPRET")
+def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
+    from kernels_generated import skinny_gemm as k
+    from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+
+    def cfg(mode, block_m, split_k):
+        return {"kernel": "triton", "mode": mode, "block_m": block_m, "block_n": 32,
+                "block_k": 32, "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
+
+    # The tiny Llama's qkv_proj [128, 64] and gate_up_proj [192, 64]: a lone decode token by
+    # the fma path, up to 8 rows by a split swapped dot, up to 16 by a split plain dot, more
+    # by the norm then cuBLAS.
+    per_bucket = {1: cfg("fma", 1, 1), 8: cfg("swap", 16, 2), 16: cfg("dot", 16, 2),
+                  32: {"kernel": "cublas"}}  # fmt: skip
+    entries = [
+        ConfigEntry({"N": n, "K": 64, "M": m}, c) for n in (128, 192) for m, c in per_bucket.items()
+    ]
+    table = ConfigTable("skinny_gemm", ("N", "K", "M"), {"kernel": "cublas"},
+                        {"h100": TargetConfigs(True, entries)})  # fmt: skip
+    monkeypatch.setattr(k, "config_table", lambda: table)
+    k.config_for.cache_clear()
+    modes = []
+    real = k.add_rms_norm_gemm
+    monkeypatch.setattr(
+        k, "add_rms_norm_gemm", lambda *a, **kw: modes.append(kw["mode"]) or real(*a, **kw)
+    )
+
+    directory = make_model_dir("llama", tmp_path)
+    result = assert_numerics_unchanged(
+        "add_rms_norm_into_gemm", directory, target="h100", dtype=torch.float16, rtol=2e-3
+    )
+    k.config_for.cache_clear()
+    assert result["matches"] == MATCHES
+    assert result["max_relative_error"] <= 2e-3  # finite, too
+    assert set(modes) == {"swap", "fma", "dot"}, sorted(set(modes))
