@@ -60,6 +60,7 @@ import functools
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -304,36 +305,36 @@ def prefetches_weight(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> bool:
     return pdl_enabled(x.device) and fits_l2 and even_k and block_k % 64 == 0 and half
 
 
-def skinny_gemm(
-    x: Tensor,
-    w: Tensor,
-    *,
-    mode: str = "swap",
-    block_m: int = 16,
-    block_n: int = 32,
-    block_k: int = 256,
-    split_k: int = 1,
-    num_warps: int = 4,
-    num_stages: int = 4,
-    programs_per_sm: int = 0,
-) -> Tensor:
-    """x [M, K] @ w [N, K]^T with one explicit config (the tuned choice is `linear`'s).
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """One launch's choices, what a tuned table entry of kernel "triton" holds.
     programs_per_sm > 0: the rows are shared out evenly among that many programs per SM
     (RAGGED), block_n rounded up to hold a share, instead of a program per block_n rows."""
+
+    mode: str = "swap"
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 0
+
+
+def skinny_gemm(x: Tensor, w: Tensor, **config) -> Tensor:
+    """x [M, K] @ w [N, K]^T with one explicit config (LaunchConfig's fields; the tuned
+    choice is `linear`'s)."""
     _validate(x, w)
-    config = dict(mode=mode, block_m=block_m, block_n=block_n, block_k=block_k,
-                  split_k=split_k, num_warps=num_warps, num_stages=num_stages,
-                  programs_per_sm=programs_per_sm)  # fmt: skip
-    return _launch(x, w, None, **config)[0]
+    return _launch(x, w, None, LaunchConfig(**config))[0]
 
 
 def add_rms_norm_gemm(
     x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, **config
 ) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual) @ w^T, x + residual) in one launch, `skinny_gemm`'s config
-    arguments: the norm is applied to each x tile as the GEMM loads it, and the programs of
-    the first weight rows write the residual sum. At most NORM_MAX_ROWS rows: every program
-    reads all of x and the residual for the norm's mean of squares."""
+    """(rms_norm(x + residual) @ w^T, x + residual) in one launch, config as `skinny_gemm`'s:
+    the norm is applied to each x tile as the GEMM loads it, and the programs of the first
+    weight rows write the residual sum. At most NORM_MAX_ROWS rows: every program reads all
+    of x and the residual for the norm's mean of squares."""
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
         raise SkinnyGemmError(
             f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
@@ -344,24 +345,14 @@ def add_rms_norm_gemm(
     if x.shape[0] > NORM_MAX_ROWS:
         raise SkinnyGemmError(f"{x.shape[0]} rows: the fused norm takes at most {NORM_MAX_ROWS}")
     _validate(x, w)
-    out, summed = _launch(x, w, (residual, norm_weight, eps), **config)
-    return out, summed
+    return _launch(x, w, (residual, norm_weight, eps), LaunchConfig(**config))
 
 
 def _launch(
-    x: Tensor,
-    w: Tensor,
-    norm: tuple[Tensor, Tensor, float] | None,
-    *,
-    mode: str = "swap",
-    block_m: int = 16,
-    block_n: int = 32,
-    block_k: int = 256,
-    split_k: int = 1,
-    num_warps: int = 4,
-    num_stages: int = 4,
-    programs_per_sm: int = 0,
+    x: Tensor, w: Tensor, norm: tuple[Tensor, Tensor, float] | None, config: LaunchConfig
 ) -> tuple[Tensor, Tensor | None]:
+    mode, block_m, block_n, block_k = config.mode, config.block_m, config.block_n, config.block_k
+    split_k, programs_per_sm = config.split_k, config.programs_per_sm
     num_rows, k_size = x.shape
     n_size = w.shape[0]
     out = torch.empty(num_rows, n_size, dtype=x.dtype, device=x.device)
@@ -427,8 +418,8 @@ def _launch(
             PDL=pdl,
             PREFETCH=pdl > 0 and prefetches_weight(x, w, block_k, even_k),
             NORM=norm is not None,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
             **pdl_launch(pdl > 0),
         )
     return out, summed
