@@ -79,7 +79,7 @@ from kernels_generated.device import (
     pdl_prefetch_bytes,
     sm_count,
 )
-from models.ops import add_rms_norm_ref
+from models.ops import add_rms_norm_ref, silu_and_mul_ref
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
     PREFETCH: tl.constexpr = False,  # PDL only: stream this program's w into L2 before waiting
     NORM: tl.constexpr = False,  # x := rms_norm(x + residual) * g on the fly (add_rms_norm_gemm)
+    GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -195,6 +196,11 @@ def _skinny_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if GATED:
+        # The up rows of these output columns, N rows below their gate rows: one program owns
+        # both halves of its columns, so silu_and_mul becomes its epilogue.
+        u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
+        acc_up = tl.zeros_like(acc)
     for k in range(0, k_tiles * BLOCK_K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
@@ -232,8 +238,30 @@ def _skinny_gemm_kernel(
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc += tl.sum(w[:, None, :].to(tl.float32) * x[None, :, :].to(tl.float32), axis=2)
+        if GATED:
+            if EVEN_K:
+                u = tl.load(u_ptrs, mask=mask_n[:, None], other=0.0)
+            else:
+                in_k = (k_start + k + offs_k) < K
+                u = tl.load(u_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+            if MODE == 0:
+                acc_up = tl.dot(x, tl.trans(u), acc_up)
+            elif MODE == 1:
+                acc_up = tl.dot(u, tl.trans(x), acc_up)
+            else:
+                acc_up += tl.sum(
+                    u[:, None, :].to(tl.float32) * x[None, :, :].to(tl.float32), axis=2
+                )
+            u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if GATED:
+        # silu_and_mul as its reference rounds: the GEMM's outputs in the activation dtype,
+        # F.silu rounded, the product rounded at the store.
+        out_ty = out_ptr.dtype.element_ty
+        gate = acc.to(out_ty).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+        acc = activated.to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
 
     # Output and workspace offsets in the accumulator's own layout.
     if MODE == 0:
@@ -329,12 +357,21 @@ def skinny_gemm(x: Tensor, w: Tensor, **config) -> Tensor:
 
 
 def add_rms_norm_gemm(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, **config
+    x: Tensor,
+    residual: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    w: Tensor,
+    *,
+    gated: bool = False,
+    **config,
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual) @ w^T, x + residual) in one launch, config as `skinny_gemm`'s:
     the norm is applied to each x tile as the GEMM loads it, and the programs of the first
     weight rows write the residual sum. At most NORM_MAX_ROWS rows: every program reads all
-    of x and the residual for the norm's mean of squares."""
+    of x and the residual for the norm's mean of squares. gated: w is [gate; up] (2I rows)
+    and the output silu_and_mul of the product, [M, I], each program taking block_n columns
+    of both halves; no split-K (the epilogue needs whole sums) and no ragged rows."""
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
         raise SkinnyGemmError(
             f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
@@ -344,17 +381,28 @@ def add_rms_norm_gemm(
         raise SkinnyGemmError(f"norm weight {tuple(norm_weight.shape)}, want ({x.shape[1]},)")
     if x.shape[0] > NORM_MAX_ROWS:
         raise SkinnyGemmError(f"{x.shape[0]} rows: the fused norm takes at most {NORM_MAX_ROWS}")
+    launch = LaunchConfig(**config)
+    if gated and (w.shape[0] % 2 or launch.split_k != 1 or launch.programs_per_sm):
+        raise SkinnyGemmError(
+            f"a gated launch needs an even weight row count (got {w.shape[0]}), split_k 1 and "
+            f"whole tiles (got split_k {launch.split_k}, programs_per_sm "
+            f"{launch.programs_per_sm})"
+        )
     _validate(x, w)
-    return _launch(x, w, (residual, norm_weight, eps), LaunchConfig(**config))
+    return _launch(x, w, (residual, norm_weight, eps), launch, gated)
 
 
 def _launch(
-    x: Tensor, w: Tensor, norm: tuple[Tensor, Tensor, float] | None, config: LaunchConfig
+    x: Tensor,
+    w: Tensor,
+    norm: tuple[Tensor, Tensor, float] | None,
+    config: LaunchConfig,
+    gated: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     mode, block_m, block_n, block_k = config.mode, config.block_m, config.block_n, config.block_k
     split_k, programs_per_sm = config.split_k, config.programs_per_sm
     num_rows, k_size = x.shape
-    n_size = w.shape[0]
+    n_size = w.shape[0] // 2 if gated else w.shape[0]  # output columns
     out = torch.empty(num_rows, n_size, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if norm is not None else None
     if num_rows == 0:
@@ -418,6 +466,7 @@ def _launch(
             PDL=pdl,
             PREFETCH=pdl > 0 and prefetches_weight(x, w, block_k, even_k),
             NORM=norm is not None,
+            GATED=gated,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl_launch(pdl > 0),
@@ -507,51 +556,74 @@ def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
-def fuses_norm(x: Tensor, w: Tensor) -> tuple[bool, dict]:
-    """Whether `add_rms_norm_linear` runs fused for these rows (the weight's tuned kernel is
-    the Triton skinny GEMM and there are at most NORM_MAX_ROWS rows), and its config."""
+def fused_config(x: Tensor, w: Tensor, gated: bool) -> dict | None:
+    """The launch config `add_rms_norm_linear` runs fused with, or None for the unfused path:
+    fused where the weight's tuned kernel is the Triton skinny GEMM and there are at most
+    NORM_MAX_ROWS rows; gated, also only where that config has no split-K, its block_n halved
+    so that a program streams as many weight rows (block_n of gate, block_n of up) in as many
+    programs as the tuned launch of the whole weight."""
     kernel, config = choose(x, w)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return kernel == "triton" and rows <= NORM_MAX_ROWS, config
+    if kernel != "triton" or rows > NORM_MAX_ROWS:
+        return None
+    if not gated:
+        return config
+    if config.get("split_k", 1) != 1 or config.get("programs_per_sm", 0):
+        return None
+    return {**config, "block_n": max(16, config.get("block_n", LaunchConfig.block_n) // 2)}
 
 
-# The op the add_rms_norm_into_gemm pass swaps in for add_rms_norm feeding a bias-free linear:
-# (linear(rms_norm(x + residual)), x + residual).
+def _activation(gate_up: Tensor) -> Tensor:
+    """silu_and_mul of a [.., 2I] GEMM output: the Triton kernel on CUDA, else the reference."""
+    if gate_up.is_cuda and not INTERPRETED:
+        from kernels_generated.silu_and_mul import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+# The op the add_rms_norm_into_gemm pass swaps in for add_rms_norm feeding a bias-free linear,
+# and with gated the silu_and_mul after it too: (linear(rms_norm(x + residual)) [silu_and_mul],
+# x + residual).
 @torch.library.custom_op("ce_kernels::add_rms_norm_linear", mutates_args=())
 def add_rms_norm_linear(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, gated: bool
 ) -> tuple[Tensor, Tensor]:
-    """At most NORM_MAX_ROWS rows where the weight's tuned kernel is Triton: the norm fused
-    into the skinny GEMM (one launch). Otherwise the norm as `ce::add_rms_norm` computes it
-    (the Triton norm kernel on CUDA, the reference elsewhere), then `linear`."""
-    fused, config = fuses_norm(x, w)
-    if fused:
+    """Where `fused_config` gives a config: one launch of the skinny GEMM with the norm (and
+    the activation) fused. Otherwise the norm as `ce::add_rms_norm` computes it (the Triton
+    norm kernel on CUDA, the reference elsewhere), `linear`, and silu_and_mul if gated."""
+    config = fused_config(x, w, gated)
+    out_features = w.shape[0] // 2 if gated else w.shape[0]
+    if config is not None:
         flat = x.reshape(-1, x.shape[-1])
         out, summed = add_rms_norm_gemm(
-            flat, residual.reshape(flat.shape), norm_weight, eps, w, **config
+            flat, residual.reshape(flat.shape), norm_weight, eps, w, gated=gated, **config
         )
-        return out.view(*x.shape[:-1], w.shape[0]), summed.view(x.shape)
+        return out.view(*x.shape[:-1], out_features), summed.view(x.shape)
     if x.is_cuda and not INTERPRETED:
         from kernels_generated.add_rms_norm import rms_norm_triton
 
         normed, summed = rms_norm_triton(x, norm_weight, eps, residual)
     else:
         normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
-    return linear(normed, w), summed
+    out = linear(normed, w)
+    return (_activation(out) if gated else out), summed
 
 
 @add_rms_norm_linear.register_fake
 def _add_rms_norm_linear_fake(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, gated: bool
 ) -> tuple[Tensor, Tensor]:
-    return x.new_empty(*x.shape[:-1], w.shape[0]), torch.empty_like(x)
+    out_features = w.shape[0] // 2 if gated else w.shape[0]
+    return x.new_empty(*x.shape[:-1], out_features), torch.empty_like(x)
 
 
 def add_rms_norm_linear_ref(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, gated: bool = False
 ) -> tuple[Tensor, Tensor]:
     normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
-    return linear_ref(normed, w), summed
+    out = linear_ref(normed, w)
+    return (silu_and_mul_ref(out) if gated else out), summed
 
 
 # --------------------------------------------------------------------------- check

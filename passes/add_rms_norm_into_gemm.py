@@ -1,19 +1,23 @@
-"""add_rms_norm feeding a bias-free linear -> one op that fuses the norm into the skinny GEMM.
+"""add_rms_norm feeding a bias-free linear (and silu_and_mul after it) -> one op that fuses
+the norm, and the activation, into the skinny GEMM.
 
 Matches: a `ce.add_rms_norm` node whose normalised output has exactly one user, a bias-free
 `F.linear` (in a Llama-family layer: the input norm before qkv_proj, from the second layer on,
-and the post-attention norm before gate_up_proj; 2 x layers - 1 matches). Emits:
-`ce_kernels.add_rms_norm_linear(x, residual, norm_weight, eps, w)` -> (y, x + residual), whose
-two outputs take over the linear's users and the residual sum's. Per call it runs, at most
-NORM_MAX_ROWS (16) rows where the weight's tuned kernel is the Triton skinny GEMM
-(configs/skinny_gemm.json), one kernel: each program computes the norm's mean of squares over
-its rows and normalises every x tile as it loads it (kernels_generated/skinny_gemm.py,
-`add_rms_norm_gemm`); otherwise the Triton norm kernel then `skinny_linear`'s choice.
-Applies on h100 in bf16/fp16.
+and the post-attention norm before gate_up_proj; 2 x layers - 1 matches); when that linear's
+only user is `ce.silu_and_mul` (gate_up_proj), it is taken too. Emits:
+`ce_kernels.add_rms_norm_linear(x, residual, norm_weight, eps, w, gated)` -> (y, x + residual),
+whose two outputs take over the last taken node's users and the residual sum's. Per call it
+runs, at most NORM_MAX_ROWS (16) rows where the weight's tuned kernel is the Triton skinny GEMM
+(configs/skinny_gemm.json; gated, also without split-K), one kernel: each program computes the
+norm's mean of squares over its rows and normalises every x tile as it loads it, and gated, it
+owns the gate and the up rows of its output columns and applies silu_and_mul before the store
+(kernels_generated/skinny_gemm.py, `add_rms_norm_gemm`); otherwise the Triton norm kernel,
+`skinny_linear`'s choice and the Triton silu_and_mul. Applies on h100 in bf16/fp16.
 
-Why: at batch 1 a layer's two norms are two launches of about 2.5 us each between GEMVs
-(Inductor's fused add + rms_norm; 165 us a step of 4.35 ms at 57cd701, H200, `bench breakdown
---kernels`), plus the gaps around them. Off by default: not yet measured in the engine.
+Why: a batch-1 layer runs 8 kernels, 3 of them small ones between the GEMVs (two of
+Inductor's fused add + rms_norm and silu_and_mul: 165 + 50 us a step of 4.35 ms at 57cd701,
+H200, `bench breakdown --kernels`), each with a launch gap; fused, 5. Off by default: not yet
+measured in the engine.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _sole_bias_free_linear(node: fx.Node) -> fx.Node | None:
 @register
 class AddRmsNormIntoGemm(GraphPass):
     name = "add_rms_norm_into_gemm"
-    description = "add_rms_norm -> linear: the norm fused into the skinny GEMM at <= 16 rows (off)"
+    description = "add_rms_norm -> linear [-> silu_and_mul] fused in the skinny GEMM, <= 16 rows"
     targets = ("h100",)
     dtypes = (torch.bfloat16, torch.float16)
     default_on = False
@@ -66,6 +70,7 @@ class AddRmsNormIntoGemm(GraphPass):
         import kernels_generated.skinny_gemm  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.add_rms_norm_linear.default
+        silu = torch.ops.ce.silu_and_mul.default
         order = {node: i for i, node in enumerate(graph.nodes)}
         matches = 0
         for norm in op_nodes(graph, "add_rms_norm"):
@@ -78,20 +83,27 @@ class AddRmsNormIntoGemm(GraphPass):
             # (a parameter placeholder at the top of the graph does).
             if weight is None or (isinstance(weight, fx.Node) and order[weight] > order[norm]):
                 continue
+            # gate_up_proj's product goes on to silu_and_mul alone: that becomes the epilogue.
+            users = list(linear.users)
+            activation = users[0] if len(users) == 1 and users[0].target is silu else None
+            last = activation or linear
             x, residual, norm_weight, eps = norm.args
+            args = (x, residual, norm_weight, eps, weight, activation is not None)
             with graph.inserting_before(norm):
-                fused = graph.call_function(kernel, (x, residual, norm_weight, eps, weight))
+                fused = graph.call_function(kernel, args)
                 out = graph.call_function(operator.getitem, (fused, 0))
                 summed = graph.call_function(operator.getitem, (fused, 1))
-            out.meta.update(linear.meta)
+            out.meta.update(last.meta)
             if 1 in outputs:
                 summed.meta.update(outputs[1][0].meta)
             if "val" in out.meta and "val" in summed.meta:
                 fused.meta["val"] = (out.meta["val"], summed.meta["val"])
-            linear.replace_all_uses_with(out)
+            last.replace_all_uses_with(out)
             for getitem in outputs.get(1, ()):
                 getitem.replace_all_uses_with(summed)
-            for dead in (linear, outputs[0][0], *outputs.get(1, ()), norm):
+            for dead in (*([activation] if activation else []), linear, outputs[0][0]):
+                graph.erase_node(dead)
+            for dead in (*outputs.get(1, ()), norm):
                 graph.erase_node(dead)
             matches += 1
         return matches

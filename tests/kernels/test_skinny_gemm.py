@@ -142,19 +142,23 @@ def _norm_inputs(rows: int, k_size: int, dtype: torch.dtype, device: str = "cpu"
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,n_size,k_size", [(1, 40, 80), (3, 48, 72), (16, 24, 64)])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_interpreted_fused_norm_matches_reference(name, rows, n_size, k_size, dtype):
-    # rms_norm(x + residual) applied to each x tile as the GEMM loads it: the output against
-    # the norm then F.linear, and the residual sum (written by the first weight rows'
-    # programs, every K-slice of a split) exactly the reference's.
-    mode, bm, bn, bk, split = CONFIGS[name]
-    x, w = _inputs(rows, n_size, k_size, dtype)
+@pytest.mark.parametrize(
+    "name,gated",
+    [(name, False) for name in CONFIGS] + [(n, True) for n, c in CONFIGS.items() if c[4] == 1],
+)
+def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_size, dtype):
+    # rms_norm(x + residual) applied to each x tile as the GEMM loads it (and, gated, silu_and_mul
+    # of the [gate; up] product as its epilogue): the output against the norm, F.linear (and
+    # silu_and_mul), the residual sum (written by the first weight rows' programs, every
+    # K-slice of a split) exactly the reference's.
+    mode, bm, bn, bk, split = CONFIGS[name]  # gated: no split-K
+    x, w = _inputs(rows, 2 * n_size if gated else n_size, k_size, dtype)
     residual, norm_weight = _norm_inputs(rows, k_size, dtype)
     got, summed = k.add_rms_norm_gemm(
-        x, residual, norm_weight, 1e-5, w, mode=mode, block_m=bm, block_n=bn, block_k=bk,
-        split_k=split,
+        x, residual, norm_weight, 1e-5, w, gated=gated, mode=mode, block_m=bm, block_n=bn,
+        block_k=bk, split_k=split,
     )  # fmt: skip
-    want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w)
+    want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w, gated)
     assert torch.equal(summed, want_summed)
     assert got.dtype == dtype and got.shape == (rows, n_size)
     torch.testing.assert_close(
@@ -163,24 +167,30 @@ def test_interpreted_fused_norm_matches_reference(name, rows, n_size, k_size, dt
 
 
 @interpreted
-def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch):
-    # Fused where the weight's tuned kernel is Triton and the rows are few; the norm then the
-    # table's GEMM otherwise (here cuBLAS at 32 rows, and above NORM_MAX_ROWS even where the
-    # table says Triton); the same two outputs either way.
-    swap = {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16, "block_k": 16,
-            "split_k": 2, "num_warps": 4, "num_stages": 2}  # fmt: skip
-    use_table(table_of({(24, 32, 1): swap, (24, 32, 16): swap, (24, 32, 32): {"kernel": "cublas"},
-                        (24, 32, 64): swap}))  # fmt: skip
+@pytest.mark.parametrize("gated", [False, True])
+def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, gated):
+    # Fused where the weight's tuned kernel is Triton and the rows are few (gated: and the
+    # config has no split); the norm, the table's GEMM (and silu_and_mul) otherwise: here
+    # cuBLAS at 32 rows, a split config at 8, and above NORM_MAX_ROWS even where the table
+    # says Triton; the same two outputs either way.
+    def swap(split_k):
+        return {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16,
+                "block_k": 16, "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
+
+    use_table(table_of({(24, 32, 1): swap(1), (24, 32, 8): swap(2), (24, 32, 16): swap(1),
+                        (24, 32, 32): {"kernel": "cublas"}, (24, 32, 64): swap(1)}))  # fmt: skip
     fused = []
     real = k.add_rms_norm_gemm
     monkeypatch.setattr(k, "add_rms_norm_gemm", lambda *a, **kw: fused.append(1) or real(*a, **kw))
-    for rows, runs_fused in ((1, True), (16, True), (17, False), (32, False), (64, False)):
+    cases = ((1, True), (8, not gated), (16, True), (17, False), (32, False), (64, False))
+    for rows, runs_fused in cases:
         x, w = _inputs(rows, 24, 32, torch.float16)
         residual, norm_weight = _norm_inputs(rows, 32, torch.float16)
         fused.clear()
-        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-6, w)
-        want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-6, w)
+        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-6, w, gated)
+        want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-6, w, gated)
         assert torch.equal(summed, want_summed)
+        assert got.shape == (rows, 12 if gated else 24)
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=4e-3)
         assert bool(fused) == runs_fused, rows
 
@@ -196,6 +206,11 @@ def test_fused_norm_refuses_what_it_cannot_fuse():
     big_r, _ = _norm_inputs(k.NORM_MAX_ROWS + 1, 16, torch.float32)
     with pytest.raises(k.SkinnyGemmError, match="at most"):
         k.add_rms_norm_gemm(big_x, big_r, norm_weight, 1e-5, big_w)
+    with pytest.raises(k.SkinnyGemmError, match="gated launch needs"):
+        k.add_rms_norm_gemm(x, residual, norm_weight, 1e-5, w, gated=True, split_k=2)
+    odd_x, odd_w = _inputs(2, 7, 16, torch.float32)
+    with pytest.raises(k.SkinnyGemmError, match="gated launch needs"):
+        k.add_rms_norm_gemm(odd_x, residual, norm_weight, 1e-5, odd_w, gated=True)
 
 
 def test_fused_norm_op_fake_shapes():
@@ -203,8 +218,9 @@ def test_fused_norm_op_fake_shapes():
 
     with FakeTensorMode():
         x, r, g, w = torch.empty(7, 32), torch.empty(7, 32), torch.empty(32), torch.empty(48, 32)
-        out, summed = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w)
-    assert out.shape == (7, 48) and summed.shape == (7, 32)
+        out, summed = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w, False)
+        gated, _ = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w, True)
+    assert out.shape == (7, 48) and summed.shape == (7, 32) and gated.shape == (7, 24)
 
 
 @pytest.mark.parametrize("mode", ["swap", "dot", "fma"])
@@ -341,17 +357,20 @@ def test_gpu_fused_norm_matches_reference_in_tuned_cells():
     ]
     if not cells:
         pytest.skip("no Triton entry at <= NORM_MAX_ROWS rows: the op never fuses")
-    for key, _ in cells:
+    for key, config in cells:
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
         residual, norm_weight = _norm_inputs(key["M"], key["K"], torch.bfloat16, "cuda")
-        assert k.fuses_norm(x, w)[0], key
-        want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w)
-        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-5, w)
+        # gate_up_proj (an even row count, no split) also fused with its silu_and_mul.
+        gated = key["N"] == 28672 and config.get("split_k", 1) == 1
+        args = (x, residual, norm_weight, 1e-5, w, gated)
+        assert k.fused_config(x, w, gated) is not None, key
+        want, want_summed = k.add_rms_norm_linear_ref(*args)
+        got, summed = k.add_rms_norm_linear(*args)
         assert torch.equal(summed, want_summed), key
         assert _rel(got, want) < 1e-2, key
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed, replayed_summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-5, w)
+            replayed, replayed_summed = k.add_rms_norm_linear(*args)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, got) and torch.equal(replayed_summed, summed), key

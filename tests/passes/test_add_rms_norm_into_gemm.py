@@ -43,9 +43,13 @@ def test_takes_every_norm_that_feeds_a_linear(graph, dtype):
     fused = torch.ops.ce_kernels.add_rms_norm_linear.default
     assert targets.count(fused) == MATCHES
     assert targets.count(torch.ops.ce.add_rms_norm.default) == 1  # the final norm
-    # 4 linears a layer, one of them now inside each fused op.
+    # 4 linears a layer, one of them now inside each fused op; every silu_and_mul in gate_up's.
     assert targets.count(F.linear) == 4 * LAYERS - MATCHES
+    assert torch.ops.ce.silu_and_mul.default not in targets
     assert operator.getitem in targets
+    gm = apply_pass("add_rms_norm_into_gemm", graph, ctx)
+    gated = [n.args[5] for n in gm.graph.nodes if n.target is fused]
+    assert sorted(gated) == [False] + [True] * LAYERS  # qkv_proj of layer 1; both gate_ups
 
 
 @pytest.mark.parametrize(
@@ -72,9 +76,9 @@ def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
                 "block_k": 32, "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
 
     # The tiny Llama's qkv_proj [128, 64] and gate_up_proj [192, 64]: a lone decode token by
-    # the fma path, up to 8 rows by a split swapped dot, up to 16 by a split plain dot, more
-    # by the norm then cuBLAS.
-    per_bucket = {1: cfg("fma", 1, 1), 8: cfg("swap", 16, 2), 16: cfg("dot", 16, 2),
+    # the fma path, up to 8 rows by a swapped dot, up to 16 by a split plain dot (unfused for
+    # gate_up: no split in a gated launch), more by the norm then cuBLAS.
+    per_bucket = {1: cfg("fma", 1, 1), 8: cfg("swap", 16, 1), 16: cfg("dot", 16, 2),
                   32: {"kernel": "cublas"}}  # fmt: skip
     entries = [
         ConfigEntry({"N": n, "K": 64, "M": m}, c) for n in (128, 192) for m, c in per_bucket.items()
