@@ -37,7 +37,10 @@ def llm_4layers(llama8b_4layers):
     )
 
 
-def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers):
+# The default passes, and with the norm (and gate_up's activation) fused into the skinny GEMM,
+# which the decode tail's single-token steps run.
+@pytest.mark.parametrize("passes", [None, "+add_rms_norm_into_gemm"])
+def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
     """Teacher-forced logits over 512 positions against HF bf16. With random weights the
     logits over 128k tokens are nearly flat, so bf16 rounding flips near-ties in HF itself: the
     top-1 bar is therefore HF bf16's own agreement with HF float32 (the noise floor), and ours
@@ -63,10 +66,13 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers):
         del hf
     loaded = load_model(llama8b_4layers, dtype="bfloat16", device="cuda")
     harness = PagedHarness(loaded.model, block_size=16, num_blocks=64)
-    compiled = CompiledForward(loaded.model, CompileConfig(target="h100"), torch.bfloat16)
+    config = CompileConfig(target="h100", passes=passes)
+    compiled = CompiledForward(loaded.model, config, torch.bfloat16)
     compiled.capture(harness.kv_caches)
     counts = compiled.pass_manager.match_counts
     assert counts["paged_attention_triton"] + counts.get("rotary_into_attention", 0) == 4
+    if passes:
+        assert counts["add_rms_norm_into_gemm"] == 2 * 4 - 1
     harness.forward = compiled
     # 448 tokens of chunked prefill, then 64 decode steps: both kernel paths.
     (ours,) = run_schedule(harness, [tokens], prefill_chunk=128, decode_tail=64)
