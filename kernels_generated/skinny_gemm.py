@@ -129,7 +129,7 @@ def _skinny_gemm_kernel(
     RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
     PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
     PREFETCH: tl.constexpr = False,  # PDL only: stream this program's w into L2 before waiting
-    NORM: tl.constexpr = False,  # x := rms_norm(x + residual) * g on the fly (add_rms_norm_gemm)
+    NORM: tl.constexpr = 0,  # x := rms_norm(x + residual) * g on the fly: 1 two passes, 2 one
     GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
 ):
     pid_n = tl.program_id(0)
@@ -173,16 +173,16 @@ def _skinny_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
-    if NORM:
-        # The norm's mean of squares runs over the whole row, before this program's K-slice
-        # is normalised: every program reads its rows of x and the residual once more (at
-        # most NORM_MAX_ROWS rows of K elements, from L2 after the first), where the unfused
-        # layer runs a norm kernel and its launch. The sum is rounded to the activation dtype
-        # first, as the residual stream it becomes is.
+    if NORM > 0:
         r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
         s_ptrs = sum_ptr + offs_m[:, None].to(tl.int64) * stride_sm + (k_start + offs_k)[None, :]
         g_ptrs = g_ptr + k_start + offs_k
         squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if NORM == 1:
+        # Two passes (a split K-slice needs the whole row's mean of squares first): every
+        # program reads its rows of x and the residual once more (at most NORM_MAX_ROWS rows
+        # of K elements, from L2), then normalises each tile as HF rounds it. The sum is
+        # rounded to the activation dtype first, as the residual stream it becomes is.
         for kk in range(0, K, BLOCK_K):
             in_row = mask_m[:, None] & ((kk + offs_k) < K)[None, :]
             xo = offs_m[:, None].to(tl.int64) * stride_xm + (kk + offs_k)[None, :]
@@ -209,9 +209,7 @@ def _skinny_gemm_kernel(
             in_k = (k_start + k + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        if NORM:
-            # HF's rounding: the sum in the activation dtype, normalised in float32 and
-            # rounded back, then scaled by the weight in the activation dtype.
+        if NORM > 0:
             # float32 arithmetic rounded where the reference rounds: a half-precision op on
             # the GPU is that anyway, and the interpreter computes bf16 wrongly.
             if EVEN_K:
@@ -227,8 +225,19 @@ def _skinny_gemm_kernel(
                 row = (x.to(tl.float32) + rs.to(tl.float32)).to(x.dtype)
                 if pid_n == 0:
                     tl.store(s_ptrs, row, mask=mask_m[:, None] & in_k[None, :])
-            normed = (row.to(tl.float32) * rstd[:, None]).to(x.dtype)
-            x = (g[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+            if NORM == 1:
+                # HF's rounding: normalised in float32 and rounded back, then scaled by the
+                # weight in the activation dtype.
+                normed = (row.to(tl.float32) * rstd[:, None]).to(x.dtype)
+                x = (g[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+            else:
+                # One pass (the K-slice is the whole row): the mean of squares accumulates
+                # beside the dot product of the unnormalised g * (x + r), and 1 / rms scales
+                # the rows at the end. No second read of x and the residual ahead of the
+                # weight stream; the normalised row is not rounded before the weight scales
+                # it, so the result differs from HF's by that rounding, not more.
+                squares += row.to(tl.float32) * row.to(tl.float32)
+                x = (g[None, :].to(tl.float32) * row.to(tl.float32)).to(x.dtype)
             r_ptrs += BLOCK_K
             s_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
@@ -255,6 +264,16 @@ def _skinny_gemm_kernel(
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if NORM == 2:
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        if MODE == 0:
+            acc = acc * rstd[:, None]
+            if GATED:
+                acc_up = acc_up * rstd[:, None]
+        else:
+            acc = acc * rstd[None, :]
+            if GATED:
+                acc_up = acc_up * rstd[None, :]
     if GATED:
         # silu_and_mul as its reference rounds: the GEMM's outputs in the activation dtype,
         # F.silu rounded, the product rounded at the store.
@@ -367,9 +386,13 @@ def add_rms_norm_gemm(
     **config,
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual) @ w^T, x + residual) in one launch, config as `skinny_gemm`'s:
-    the norm is applied to each x tile as the GEMM loads it, and the programs of the first
-    weight rows write the residual sum. At most NORM_MAX_ROWS rows: every program reads all
-    of x and the residual for the norm's mean of squares. gated: w is [gate; up] (2I rows)
+    the programs of the first weight rows write the residual sum. Unsplit (split_k 1), a
+    program's loop accumulates the norm's mean of squares beside the dot product of the
+    unnormalised g * (x + residual) and scales by 1 / rms at the end: one pass over x, but the
+    normalised row is not rounded to the activation dtype before the weight scales it, as HF
+    rounds it. Split, every program first reads its rows whole for the mean of squares, then
+    normalises each tile as HF does. At most NORM_MAX_ROWS rows either way: every program reads
+    all of its rows of x and the residual. gated: w is [gate; up] (2I rows)
     and the output silu_and_mul of the product, [M, I], each program taking block_n columns
     of both halves; no split-K (the epilogue needs whole sums) and no ragged rows."""
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
@@ -465,7 +488,7 @@ def _launch(
             RAGGED=programs_per_sm > 0,
             PDL=pdl,
             PREFETCH=pdl > 0 and prefetches_weight(x, w, block_k, even_k),
-            NORM=norm is not None,
+            NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
             num_warps=config.num_warps,
             num_stages=config.num_stages,

@@ -8,9 +8,10 @@ only user is `ce.silu_and_mul` (gate_up_proj), it is taken too. Emits:
 `ce_kernels.add_rms_norm_linear(x, residual, norm_weight, eps, w, gated)` -> (y, x + residual),
 whose two outputs take over the last taken node's users and the residual sum's. Per call it
 runs, at most NORM_MAX_ROWS (16) rows where the weight's tuned kernel is the Triton skinny GEMM
-(configs/skinny_gemm.json; gated, also without split-K), one kernel: each program computes the
-norm's mean of squares over its rows and normalises every x tile as it loads it, and gated, it
-owns the gate and the up rows of its output columns and applies silu_and_mul before the store
+(configs/skinny_gemm.json; gated, also without split-K), one kernel: each program accumulates
+its rows' mean of squares beside the dot product and scales by 1 / rms at the end (a split
+launch reads the rows first), and gated, it owns the gate and the up rows of its output
+columns and applies silu_and_mul before the store
 (kernels_generated/skinny_gemm.py, `add_rms_norm_gemm`); otherwise the Triton norm kernel,
 `skinny_linear`'s choice and the Triton silu_and_mul. Applies on h100 in bf16/fp16.
 

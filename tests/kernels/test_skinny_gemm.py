@@ -147,10 +147,10 @@ def _norm_inputs(rows: int, k_size: int, dtype: torch.dtype, device: str = "cpu"
     [(name, False) for name in CONFIGS] + [(n, True) for n, c in CONFIGS.items() if c[4] == 1],
 )
 def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_size, dtype):
-    # rms_norm(x + residual) applied to each x tile as the GEMM loads it (and, gated, silu_and_mul
-    # of the [gate; up] product as its epilogue): the output against the norm, F.linear (and
-    # silu_and_mul), the residual sum (written by the first weight rows' programs, every
-    # K-slice of a split) exactly the reference's.
+    # rms_norm(x + residual) fused into the GEMM, in one pass (unsplit) or two (split), and,
+    # gated, silu_and_mul of the [gate; up] product as its epilogue: the output against the
+    # norm, F.linear (and silu_and_mul) within the dtype's rounding, the residual sum (written
+    # by the first weight rows' programs, every K-slice of a split) exactly the reference's.
     mode, bm, bn, bk, split = CONFIGS[name]  # gated: no split-K
     x, w = _inputs(rows, 2 * n_size if gated else n_size, k_size, dtype)
     residual, norm_weight = _norm_inputs(rows, k_size, dtype)
