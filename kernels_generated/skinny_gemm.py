@@ -177,7 +177,7 @@ def _skinny_gemm_kernel(
         r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
         s_ptrs = sum_ptr + offs_m[:, None].to(tl.int64) * stride_sm + (k_start + offs_k)[None, :]
         g_ptrs = g_ptr + k_start + offs_k
-        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM == 1:
         # Two passes (a split K-slice needs the whole row's mean of squares first): every
         # program reads its rows of x and the residual once more (at most NORM_MAX_ROWS rows
@@ -190,8 +190,8 @@ def _skinny_gemm_kernel(
             xs = tl.load(x_ptr + xo, mask=in_row, other=0.0)
             rs = tl.load(res_ptr + ro, mask=in_row, other=0.0)
             row = (xs.to(tl.float32) + rs.to(tl.float32)).to(xs.dtype).to(tl.float32)
-            squares += row * row
-        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+            squares += tl.sum(row * row, axis=1)
+        rstd = tl.rsqrt(squares / K + eps)
     if MODE == 0:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
@@ -236,7 +236,7 @@ def _skinny_gemm_kernel(
                 # the rows at the end. No second read of x and the residual ahead of the
                 # weight stream; the normalised row is not rounded before the weight scales
                 # it, so the result differs from HF's by that rounding, not more.
-                squares += row.to(tl.float32) * row.to(tl.float32)
+                squares += tl.sum(row.to(tl.float32) * row.to(tl.float32), axis=1)
                 x = (g[None, :].to(tl.float32) * row.to(tl.float32)).to(x.dtype)
             r_ptrs += BLOCK_K
             s_ptrs += BLOCK_K
@@ -265,7 +265,7 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if NORM == 2:
-        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        rstd = tl.rsqrt(squares / K + eps)
         if MODE == 0:
             acc = acc * rstd[:, None]
             if GATED:
