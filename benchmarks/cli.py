@@ -21,6 +21,7 @@ COMMANDS = {
     "mla": ("benchmarks.mla", "MLA absorbed kernel vs naive reference; KV bytes; DeepSeek decode"),
     "paged-attention": ("benchmarks.paged_attention", "the Triton kernel vs gather+SDPA, GB/s"),
     "gemm": ("benchmarks.gemm", "decode-size GEMMs: cuBLAS vs the Triton skinny GEMM sweep"),
+    "gemm-norm": ("benchmarks.gemm_norm", "the fused add_rms_norm + skinny GEMM vs unfused"),
     "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
     "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
 }

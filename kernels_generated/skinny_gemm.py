@@ -70,7 +70,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.configs import CONFIG_DIR, ConfigTable, bucket_tokens
+from kernels_generated.configs import CONFIG_DIR, ConfigEntry, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
 from kernels_generated.device import (
     pdl_enabled,
@@ -175,7 +175,6 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if NORM > 0:
         r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
-        s_ptrs = sum_ptr + offs_m[:, None].to(tl.int64) * stride_sm + (k_start + offs_k)[None, :]
         g_ptrs = g_ptr + k_start + offs_k
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM == 1:
@@ -215,16 +214,11 @@ def _skinny_gemm_kernel(
             if EVEN_K:
                 g = tl.load(g_ptrs)
                 rs = tl.load(r_ptrs, mask=mask_m[:, None], other=0.0)
-                row = (x.to(tl.float32) + rs.to(tl.float32)).to(x.dtype)
-                if pid_n == 0:
-                    tl.store(s_ptrs, row, mask=mask_m[:, None])
             else:
                 in_k = (k_start + k + offs_k) < K
                 g = tl.load(g_ptrs, mask=in_k, other=0.0)
                 rs = tl.load(r_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-                row = (x.to(tl.float32) + rs.to(tl.float32)).to(x.dtype)
-                if pid_n == 0:
-                    tl.store(s_ptrs, row, mask=mask_m[:, None] & in_k[None, :])
+            row = (x.to(tl.float32) + rs.to(tl.float32)).to(x.dtype)
             if NORM == 1:
                 # HF's rounding: normalised in float32 and rounded back, then scaled by the
                 # weight in the activation dtype.
@@ -239,7 +233,6 @@ def _skinny_gemm_kernel(
                 squares += tl.sum(row.to(tl.float32) * row.to(tl.float32), axis=1)
                 x = (g[None, :].to(tl.float32) * row.to(tl.float32)).to(x.dtype)
             r_ptrs += BLOCK_K
-            s_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
         if MODE == 0:
             acc = tl.dot(x, tl.trans(w), acc)
@@ -264,6 +257,28 @@ def _skinny_gemm_kernel(
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if NORM > 0 and pid_k == 0:
+        # The residual sum, K-tile t by the t-th program of these rows, after the weight
+        # loop: a store inside it (the first program's, once) keeps the compiler from
+        # issuing the next tiles' loads ahead of it.
+        for t in range(pid_n, tl.cdiv(K, BLOCK_K), tl.num_programs(0)):
+            cols = t * BLOCK_K + offs_k
+            in_row = mask_m[:, None] & (cols < K)[None, :]
+            xs = tl.load(
+                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                mask=in_row,
+                other=0.0,
+            )
+            rs = tl.load(
+                res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + cols[None, :],
+                mask=in_row,
+                other=0.0,
+            )
+            tl.store(
+                sum_ptr + offs_m[:, None].to(tl.int64) * stride_sm + cols[None, :],
+                (xs.to(tl.float32) + rs.to(tl.float32)).to(xs.dtype),
+                mask=in_row,
+            )
     if NORM == 2:
         rstd = tl.rsqrt(squares / K + eps)
         if MODE == 0:
@@ -386,15 +401,15 @@ def add_rms_norm_gemm(
     **config,
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual) @ w^T, x + residual) in one launch, config as `skinny_gemm`'s:
-    the programs of the first weight rows write the residual sum. Unsplit (split_k 1), a
-    program's loop accumulates the norm's mean of squares beside the dot product of the
-    unnormalised g * (x + residual) and scales by 1 / rms at the end: one pass over x, but the
-    normalised row is not rounded to the activation dtype before the weight scales it, as HF
-    rounds it. Split, every program first reads its rows whole for the mean of squares, then
-    normalises each tile as HF does. At most NORM_MAX_ROWS rows either way: every program reads
-    all of its rows of x and the residual. gated: w is [gate; up] (2I rows)
-    and the output silu_and_mul of the product, [M, I], each program taking block_n columns
-    of both halves; no split-K (the epilogue needs whole sums) and no ragged rows."""
+    the first programs write the residual sum, a K-tile each, after their weight loop.
+    Unsplit (split_k 1), a program's loop accumulates the norm's mean of squares beside the
+    dot product of the unnormalised g * (x + residual) and scales by 1 / rms at the end: one
+    pass over x, but the normalised row is not rounded to the activation dtype before the
+    weight scales it, as HF rounds it. Split, every program first reads its rows whole for the
+    mean of squares, then normalises each tile as HF does. At most NORM_MAX_ROWS rows either
+    way: every program reads all of its rows of x and the residual. gated: w is [gate; up]
+    (2I rows) and the output silu_and_mul of the product, [M, I], each program taking block_n
+    columns of both halves; no split-K (the epilogue needs whole sums) and no ragged rows."""
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
         raise SkinnyGemmError(
             f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
@@ -506,11 +521,10 @@ def config_table() -> ConfigTable:
 
 
 @functools.cache
-def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> tuple[str, dict]:
-    """(kernel, launch config) tuned for this weight and row bucket: kernel "triton" with the
-    skinny_gemm arguments, or "cublas" / "cublaslt" with none. Only entries of exactly this
+def _entry(target: str, n_size: int, k_size: int, rows_bucket: int) -> ConfigEntry | None:
+    """The table entry tuned for this weight and row bucket: only entries of exactly this
     (N, K) count (a config tuned for another weight says nothing about whether cuBLAS loses
-    here), the nearest M bucket among them; no entry means cuBLAS."""
+    here), the nearest M bucket among them."""
     section = config_table().targets.get(target)
     entries = [
         e
@@ -518,8 +532,17 @@ def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> tuple
         if e.key["N"] == n_size and e.key["K"] == k_size
     ]
     if not entries:
+        return None
+    return min(entries, key=lambda e: abs(e.key["M"].bit_length() - rows_bucket.bit_length()))
+
+
+@functools.cache
+def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> tuple[str, dict]:
+    """(kernel, launch config) tuned for this weight and row bucket (`_entry`): kernel "triton"
+    with the skinny_gemm arguments, or "cublas" / "cublaslt" with none; no entry means cuBLAS."""
+    entry = _entry(target, n_size, k_size, rows_bucket)
+    if entry is None:
         return "cublas", {}
-    entry = min(entries, key=lambda e: abs(e.key["M"].bit_length() - rows_bucket.bit_length()))
     config = dict(entry.config)
     kernel = config.pop("kernel")
     if kernel not in KERNELS:
@@ -531,16 +554,20 @@ def linear_ref(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
-def choose(x: Tensor, w: Tensor) -> tuple[str, dict]:
-    """The (kernel, config) `linear` runs x @ w^T with. Under the interpreter, CPU tensors in
-    float32/float16 read the h100 table, so that tests on CPU run the kernel the GPU would."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= MAX_ROWS:
-        return "cublas", {}
+def reads_table(x: Tensor) -> bool:
+    """Whether x's device and dtype may run the Triton kernel, so the h100 table decides: CUDA
+    half precision; under the interpreter, CPU tensors in float32/float16, so that tests on
+    CPU run the kernel the GPU would."""
     if x.device.type == "cuda" and not INTERPRETED:
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            return "cublas", {}
-    elif not (INTERPRETED and x.device.type == "cpu" and x.dtype != torch.bfloat16):
+        return x.dtype in (torch.bfloat16, torch.float16)
+    return INTERPRETED and x.device.type == "cpu" and x.dtype != torch.bfloat16
+
+
+def choose(x: Tensor, w: Tensor) -> tuple[str, dict]:
+    """The (kernel, config) `linear` runs x @ w^T with: the table's (`config_for`) for up to
+    MAX_ROWS rows where it `reads_table`, else cuBLAS."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= MAX_ROWS or not reads_table(x):
         return "cublas", {}
     return config_for("h100", w.shape[0], w.shape[1], bucket_tokens(rows))
 
@@ -581,19 +608,16 @@ def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
 
 def fused_config(x: Tensor, w: Tensor, gated: bool) -> dict | None:
     """The launch config `add_rms_norm_linear` runs fused with, or None for the unfused path:
-    fused where the weight's tuned kernel is the Triton skinny GEMM and there are at most
-    NORM_MAX_ROWS rows; gated, also only where that config has no split-K, its block_n halved
-    so that a program streams as many weight rows (block_n of gate, block_n of up) in as many
-    programs as the tuned launch of the whole weight."""
-    kernel, config = choose(x, w)
+    the entry's `fused` config for this launch kind ("gated" with silu_and_mul, else "plain"),
+    which `python -m benchmarks gemm-norm --write-configs` writes only where the fused launch
+    beat the norm kernel and the tuned GEMM [and silu_and_mul] it replaces; at most
+    NORM_MAX_ROWS rows, on inputs that `reads_table`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if kernel != "triton" or rows > NORM_MAX_ROWS:
+    if not 0 < rows <= NORM_MAX_ROWS or not reads_table(x):
         return None
-    if not gated:
-        return config
-    if config.get("split_k", 1) != 1 or config.get("programs_per_sm", 0):
-        return None
-    return {**config, "block_n": max(16, config.get("block_n", LaunchConfig.block_n) // 2)}
+    entry = _entry("h100", w.shape[0], w.shape[1], bucket_tokens(rows))
+    fused = (entry.info.get("fused", {}) if entry else {}).get("gated" if gated else "plain")
+    return dict(fused["config"]) if fused else None
 
 
 def _activation(gate_up: Tensor) -> Tensor:

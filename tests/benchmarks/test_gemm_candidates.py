@@ -46,3 +46,51 @@ def test_render_shows_the_decode_attention_sweep():
     lines = render._pa_decode_sweep({"rows": rows})
     assert "| config | 256 x ctx 100 | 1 x ctx 32k |" in lines
     assert "| `32/2/2/128` | 37.9 | — |" in lines
+
+
+def test_fused_norm_sweep_tries_valid_calls_without_split():
+    from benchmarks import gemm_norm
+
+    for gated in (False, True):
+        configs = gemm_norm.candidates(gated)
+        assert configs and all(set(c) <= PARAMS and c["split_k"] == 1 for c in configs)
+        assert len({gemm_norm.label(c) for c in configs}) == len(configs)
+
+
+def test_fused_norm_records_go_where_the_fused_launch_won(tmp_path):
+    import json
+
+    from benchmarks import gemm_norm
+    from kernels_generated import skinny_gemm as k
+    from kernels_generated.configs import ConfigTable
+
+    path = tmp_path / "skinny_gemm.json"
+    path.write_text((k.CONFIG_DIR / "skinny_gemm.json").read_text())
+    config = gemm_norm.candidates(True)[0]
+
+    def cell(name, m, unfused_us, fused_us):
+        n_size, k_size = gemm.SHAPES[name]
+        return {"shape": name, "N": n_size, "K": k_size, "M": m, "gated": gemm_norm.FUSED[name],
+                "unfused_us": unfused_us, "best": "b", "speedup_vs_unfused": unfused_us / fused_us,
+                "variants": {"b": {"us": fused_us, "config": config}}}  # fmt: skip
+
+    cells = [
+        cell("gate_up", 1, 60.0, 50.0),
+        cell("qkv", 1, 18.0, 17.9),
+        cell("gate_up", 4, 60.0, 70.0),
+    ]
+    gemm_norm.write_configs(cells, str(path), 1.03, {"sweep": "gemm-norm@test"})
+    entries = {(e.key["N"], e.key["M"]): e for e in ConfigTable.load(path).targets["h100"].entries}
+    won = entries[28672, 1].info["fused"]
+    assert won == {"gated": {"config": config, "fused_us": 50.0, "unfused_us": 60.0,
+                             "sweep": "gemm-norm@test"}}  # fmt: skip
+    assert "fused" not in entries[6144, 1].info  # x1.006: below --min-speedup
+    assert "fused" not in entries[28672, 4].info
+    # A later sweep that loses removes the record; the GEMM entries stay as they were.
+    gemm_norm.write_configs([cell("gate_up", 1, 60.0, 61.0)], str(path), 1.03, {})
+    reloaded = json.loads(path.read_text())["targets"]["h100"]["entries"]
+    assert not any("fused" in e for e in reloaded)
+    shipped = json.loads((k.CONFIG_DIR / "skinny_gemm.json").read_text())
+    assert [e["config"] for e in reloaded] == [
+        e["config"] for e in shipped["targets"]["h100"]["entries"]
+    ]

@@ -35,9 +35,21 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def table_of(entries: dict[tuple[int, int, int], dict]) -> ConfigTable:
-    """An in-memory config table: {(N, K, M): config} for target h100."""
-    made = [ConfigEntry({"N": n, "K": kk, "M": m}, c) for (n, kk, m), c in entries.items()]
+def table_of(
+    entries: dict[tuple[int, int, int], dict], fused: dict[tuple[int, int, int], dict] | None = None
+) -> ConfigTable:
+    """An in-memory config table: {(N, K, M): config} for target h100, with `fused` records
+    ({"plain" | "gated": launch config}) where given."""
+    made = [
+        ConfigEntry(
+            {"N": n, "K": kk, "M": m},
+            c,
+            {"fused": {kind: {"config": f} for kind, f in fused[n, kk, m].items()}}
+            if fused and (n, kk, m) in fused
+            else {},
+        )
+        for (n, kk, m), c in entries.items()
+    ]
     return ConfigTable("skinny_gemm", ("N", "K", "M"), {"kernel": "cublas"}, {
         "h100": TargetConfigs(True, made)
     })  # fmt: skip
@@ -50,9 +62,11 @@ def use_table(monkeypatch):
     def install(table: ConfigTable) -> None:
         monkeypatch.setattr(k, "config_table", lambda: table)
         k.config_for.cache_clear()
+        k._entry.cache_clear()
 
     yield install
     k.config_for.cache_clear()
+    k._entry.cache_clear()
 
 
 # --------------------------------------------------------------------------- interpreted kernel
@@ -169,19 +183,26 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
 @interpreted
 @pytest.mark.parametrize("gated", [False, True])
 def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, gated):
-    # Fused where the weight's tuned kernel is Triton and the rows are few (gated: and the
-    # config has no split); the norm, the table's GEMM (and silu_and_mul) otherwise: here
-    # cuBLAS at 32 rows, a split config at 8, and above NORM_MAX_ROWS even where the table
-    # says Triton; the same two outputs either way.
-    def swap(split_k):
-        return {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16,
-                "block_k": 16, "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
+    # Fused where the nearest entry of this weight has a `fused` record for the launch kind
+    # and the rows are few; the norm, the table's GEMM (and silu_and_mul) otherwise: here no
+    # gated record at 8 rows, no record at all at 32, and above NORM_MAX_ROWS even where one
+    # exists; the same two outputs either way, and the record's config is the one launched.
+    def swap(split_k, block_n=16):
+        return {"mode": "swap", "block_m": 16, "block_n": block_n, "block_k": 16,
+                "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
 
-    use_table(table_of({(24, 32, 1): swap(1), (24, 32, 8): swap(2), (24, 32, 16): swap(1),
-                        (24, 32, 32): {"kernel": "cublas"}, (24, 32, 64): swap(1)}))  # fmt: skip
+    both = {"plain": swap(2), "gated": swap(1, block_n=32)}
+    use_table(
+        table_of(
+            {(24, 32, m): {"kernel": "triton", **swap(1)} for m in (1, 8, 16, 64)}
+            | {(24, 32, 32): {"kernel": "cublas"}},
+            fused={(24, 32, 1): both, (24, 32, 8): {"plain": swap(1)}, (24, 32, 16): both,
+                   (24, 32, 64): both},
+        )
+    )  # fmt: skip
     fused = []
     real = k.add_rms_norm_gemm
-    monkeypatch.setattr(k, "add_rms_norm_gemm", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    monkeypatch.setattr(k, "add_rms_norm_gemm", lambda *a, **kw: fused.append(kw) or real(*a, **kw))
     cases = ((1, True), (8, not gated), (16, True), (17, False), (32, False), (64, False))
     for rows, runs_fused in cases:
         x, w = _inputs(rows, 24, 32, torch.float16)
@@ -193,6 +214,9 @@ def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, ga
         assert got.shape == (rows, 12 if gated else 24)
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=4e-3)
         assert bool(fused) == runs_fused, rows
+        if fused and rows == 1:
+            assert fused[0]["block_n"] == (32 if gated else 16), fused
+            assert fused[0]["split_k"] == (1 if gated else 2), fused
 
 
 def test_fused_norm_refuses_what_it_cannot_fuse():
@@ -347,33 +371,33 @@ def test_gpu_cublaslt_cells_match_and_restore_the_library():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_fused_norm_matches_reference_in_tuned_cells():
-    # Every tuned Triton cell of a weight a norm feeds (K = hidden) at <= NORM_MAX_ROWS rows,
-    # through the op as the engine calls it, eager and replayed in a CUDA graph: the residual
-    # sum bit-equal to the reference's, the output within a bf16 GEMM's error.
+    # Every cell of the table with a `fused` record (bench gemm-norm), through the op as the
+    # engine calls it, eager and replayed in a CUDA graph: the residual sum bit-equal to the
+    # reference's, the output within a bf16 GEMM's error.
+    table = ConfigTable.load(k.CONFIG_FILE)
     cells = [
-        (key, config)
-        for key, config in _tuned_cells("triton")
-        if key["K"] == 4096 and key["M"] <= k.NORM_MAX_ROWS
+        (entry.key, kind)
+        for entry in table.targets["h100"].entries
+        for kind in entry.info.get("fused", {})
     ]
     if not cells:
-        pytest.skip("no Triton entry at <= NORM_MAX_ROWS rows: the op never fuses")
-    for key, config in cells:
+        pytest.skip("no fused record in the h100 table: the op never fuses")
+    for key, kind in cells:
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
         residual, norm_weight = _norm_inputs(key["M"], key["K"], torch.bfloat16, "cuda")
-        # gate_up_proj (an even row count, no split) also fused with its silu_and_mul.
-        gated = key["N"] == 28672 and config.get("split_k", 1) == 1
-        args = (x, residual, norm_weight, 1e-5, w, gated)
-        assert k.fused_config(x, w, gated) is not None, key
+        args = (x, residual, norm_weight, 1e-5, w, kind == "gated")
+        assert k.fused_config(x, w, kind == "gated") is not None, (key, kind)
         want, want_summed = k.add_rms_norm_linear_ref(*args)
         got, summed = k.add_rms_norm_linear(*args)
-        assert torch.equal(summed, want_summed), key
-        assert _rel(got, want) < 1e-2, key
+        assert torch.equal(summed, want_summed), (key, kind)
+        assert _rel(got, want) < 1e-2, (key, kind, _rel(got, want))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed, replayed_summed = k.add_rms_norm_linear(*args)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, got) and torch.equal(replayed_summed, summed), key
+        assert torch.equal(replayed, got), (key, kind)
+        assert torch.equal(replayed_summed, summed), (key, kind)
 
 
 @pytest.mark.gpu

@@ -72,21 +72,29 @@ def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
     from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
 
     def cfg(mode, block_m, split_k):
-        return {"kernel": "triton", "mode": mode, "block_m": block_m, "block_n": 32,
-                "block_k": 32, "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
+        return {"mode": mode, "block_m": block_m, "block_n": 32, "block_k": 32,
+                "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
 
-    # The tiny Llama's qkv_proj [128, 64] and gate_up_proj [192, 64]: a lone decode token by
-    # the fma path, up to 8 rows by a swapped dot, up to 16 by a split plain dot (unfused for
-    # gate_up: no split in a gated launch), more by the norm then cuBLAS.
-    per_bucket = {1: cfg("fma", 1, 1), 8: cfg("swap", 16, 1), 16: cfg("dot", 16, 2),
-                  32: {"kernel": "cublas"}}  # fmt: skip
+    # The tiny Llama's qkv_proj [128, 64] and gate_up_proj [192, 64]: fused records for a lone
+    # decode token by the fma path, up to 8 rows by a swapped dot, up to 16 by a split plain
+    # dot (qkv only: no split in a gated launch), none above: there the norm, then cuBLAS.
+    fused = {1: {"plain": cfg("fma", 1, 1), "gated": cfg("fma", 1, 1)},
+             8: {"plain": cfg("swap", 16, 1), "gated": cfg("swap", 16, 1)},
+             16: {"plain": cfg("dot", 16, 2)}, 32: {}}  # fmt: skip
     entries = [
-        ConfigEntry({"N": n, "K": 64, "M": m}, c) for n in (128, 192) for m, c in per_bucket.items()
+        ConfigEntry(
+            {"N": n, "K": 64, "M": m},
+            {"kernel": "cublas"},
+            {"fused": {kind: {"config": c} for kind, c in records.items()}} if records else {},
+        )
+        for n in (128, 192)
+        for m, records in fused.items()
     ]
     table = ConfigTable("skinny_gemm", ("N", "K", "M"), {"kernel": "cublas"},
                         {"h100": TargetConfigs(True, entries)})  # fmt: skip
     monkeypatch.setattr(k, "config_table", lambda: table)
     k.config_for.cache_clear()
+    k._entry.cache_clear()
     modes = []
     real = k.add_rms_norm_gemm
     monkeypatch.setattr(
@@ -98,6 +106,7 @@ def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
         "add_rms_norm_into_gemm", directory, target="h100", dtype=torch.float16, rtol=2e-3
     )
     k.config_for.cache_clear()
+    k._entry.cache_clear()
     assert result["matches"] == MATCHES
     assert result["max_relative_error"] <= 2e-3  # finite, too
     assert set(modes) == {"swap", "fma", "dot"}, sorted(set(modes))
