@@ -396,6 +396,8 @@ def _details(r: dict) -> list[str]:
         lines += _serve(r)
     elif kind == "gemm":
         lines += _gemm(r)
+    elif kind == "gemm_norm":
+        lines += _gemm_norm(r)
     elif kind == "pa_decode_sweep":
         lines += _pa_decode_sweep(r)
     elif kind in ("moe", "mla"):
@@ -435,6 +437,27 @@ def _gemm(r: dict) -> list[str]:
     return [
         "CUDA-graph replay over weight copies that miss L2, median per call "
         f"({r.get('timing', 'see benchmarks/gemm.py')}).",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _gemm_norm(r: dict) -> list[str]:
+    """bench gemm-norm: per (weight, rows) cell the unfused chain against the fastest fused
+    config."""
+    rows = []
+    for c in r.get("cells", []):
+        best = c.get("variants", {}).get(c.get("best", ""), {}).get("us")
+        ratio = f"x{c['speedup_vs_unfused']:.3f}" if "speedup_vs_unfused" in c else "—"
+        fused = f"{best:.2f} (`{c['best']}`)" if best else "—"
+        rows.append(
+            [c["shape"] + (" + silu" if c.get("gated") else ""), str(c["M"]),
+             f"{c['unfused_us']:.2f} ({c.get('gemm', '?')})", fused, ratio]
+        )  # fmt: skip
+    header = ["weight", "rows", "unfused us (GEMM)", "best fused us", "unfused / fused"]
+    return [
+        "The norm kernel, the tuned GEMM [and silu_and_mul] against the fused launch; "
+        f"CUDA-graph replay over weight copies that miss L2 ({r.get('timing', '')}).",
         "",
         *_table(header, rows),
     ]

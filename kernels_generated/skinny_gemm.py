@@ -259,8 +259,7 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K
     if NORM > 0 and pid_k == 0:
         # The residual sum, K-tile t by the t-th program of these rows, after the weight
-        # loop: a store inside it (the first program's, once) keeps the compiler from
-        # issuing the next tiles' loads ahead of it.
+        # loop, which so holds only the loads the pipeline streams and the dot product.
         for t in range(pid_n, tl.cdiv(K, BLOCK_K), tl.num_programs(0)):
             cols = t * BLOCK_K + offs_k
             in_row = mask_m[:, None] & (cols < K)[None, :]

@@ -64,8 +64,12 @@ def test_fused_norm_records_go_where_the_fused_launch_won(tmp_path):
     from kernels_generated import skinny_gemm as k
     from kernels_generated.configs import ConfigTable
 
+    # The shipped table without its fused records.
+    shipped = json.loads((k.CONFIG_DIR / "skinny_gemm.json").read_text())
+    for entry in shipped["targets"]["h100"]["entries"]:
+        entry.pop("fused", None)
     path = tmp_path / "skinny_gemm.json"
-    path.write_text((k.CONFIG_DIR / "skinny_gemm.json").read_text())
+    path.write_text(json.dumps(shipped))
     config = gemm_norm.candidates(True)[0]
 
     def cell(name, m, unfused_us, fused_us):
@@ -90,7 +94,26 @@ def test_fused_norm_records_go_where_the_fused_launch_won(tmp_path):
     gemm_norm.write_configs([cell("gate_up", 1, 60.0, 61.0)], str(path), 1.03, {})
     reloaded = json.loads(path.read_text())["targets"]["h100"]["entries"]
     assert not any("fused" in e for e in reloaded)
-    shipped = json.loads((k.CONFIG_DIR / "skinny_gemm.json").read_text())
     assert [e["config"] for e in reloaded] == [
         e["config"] for e in shipped["targets"]["h100"]["entries"]
     ]
+
+
+def test_render_shows_the_unfused_chain_against_the_best_fused_launch():
+    from benchmarks import render
+
+    cell = {
+        "shape": "gate_up",
+        "M": 1,
+        "gated": True,
+        "gemm": "triton",
+        "unfused_us": 59.02,
+        "best": "128x128/w8/p3",
+        "speedup_vs_unfused": 1.033,
+        "variants": {"128x128/w8/p3": {"us": 57.15}, "64x128/w8/p4": {"us": 62.46}},
+    }
+    lost = {"shape": "qkv", "M": 2, "gated": False, "gemm": "cublas", "unfused_us": 17.4,
+            "variants": {}}  # fmt: skip
+    lines = render._gemm_norm({"cells": [cell, lost], "timing": "graph replay"})
+    assert "| gate_up + silu | 1 | 59.02 (triton) | 57.15 (`128x128/w8/p3`) | x1.033 |" in lines
+    assert "| qkv | 2 | 17.40 (cublas) | — | — |" in lines

@@ -373,7 +373,9 @@ def test_gpu_cublaslt_cells_match_and_restore_the_library():
 def test_gpu_fused_norm_matches_reference_in_tuned_cells():
     # Every cell of the table with a `fused` record (bench gemm-norm), through the op as the
     # engine calls it, eager and replayed in a CUDA graph: the residual sum bit-equal to the
-    # reference's, the output within a bf16 GEMM's error.
+    # reference's; the output as close to the exact (float32) result as the bf16 reference
+    # is, give or take one rounding: the fused launch rounds elsewhere (the normalised row
+    # not before the weight scales it), and gated, silu(gate) * up compounds two roundings.
     table = ConfigTable.load(k.CONFIG_FILE)
     cells = [
         (entry.key, kind)
@@ -390,7 +392,9 @@ def test_gpu_fused_norm_matches_reference_in_tuned_cells():
         want, want_summed = k.add_rms_norm_linear_ref(*args)
         got, summed = k.add_rms_norm_linear(*args)
         assert torch.equal(summed, want_summed), (key, kind)
-        assert _rel(got, want) < 1e-2, (key, kind, _rel(got, want))
+        exact = k.add_rms_norm_linear_ref(*(a.float() if torch.is_tensor(a) else a for a in args))
+        err, ref_err = _rel(got, exact[0]), _rel(want, exact[0])
+        assert err < 2 * ref_err + 2**-8, (key, kind, err, ref_err)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed, replayed_summed = k.add_rms_norm_linear(*args)
