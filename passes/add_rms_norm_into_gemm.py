@@ -61,6 +61,7 @@ class AddRmsNormIntoGemm(GraphPass):
     name = "add_rms_norm_into_gemm"
     description = "add_rms_norm -> linear [-> silu_and_mul] fused in the skinny GEMM, <= 16 rows"
     targets = ("h100",)
+    default_on = False
     dtypes = (torch.bfloat16, torch.float16)
     kernel_files = (
         "kernels_generated/skinny_gemm.py",
