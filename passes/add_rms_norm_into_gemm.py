@@ -20,7 +20,12 @@ Why: a batch-1 layer runs 8 kernels, 3 of them small ones between the GEMVs (two
 Inductor's fused add + rms_norm and silu_and_mul: 165 + 50 us a step of 4.35 ms at 57cd701,
 H200, `bench breakdown --kernels`), each with a launch gap; fused, 5. Measured in the engine
 (H200, c7d6b25, `latency_ab.sh`, 2 runs each): batch 1 237.3 / 237.7 tok/s against 232.4 /
-231.7 without, batch 64 13,084.3 against 13,041.5, batch 256 29,072.2 against 28,865.4.
+231.7 without, batch 64 13,084.3 against 13,041.5, batch 256 29,072.2 against 28,865.4. Off by
+default all the same: serving lost with it (d65d012, 512/256 at concurrency 256: 7,260.8 output
+tok/s against 8,032.4 without, 768 prompts, one run each, same machine; the full 1,536-prompt
+run 6,889.8 with it, 7,797.5 at 4cb6abf without), TPOT p50 31.5 against 28.6 ms. Where it
+loses is not measured; the likely place is its unfused path (above 16 rows and in the cells
+without a record), which runs our norm kernel where the pass-off graph has Inductor's fusion.
 """
 
 from __future__ import annotations
