@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks.gemm import SHAPES, _close, _weights, graph_time_us, payload_commit
+from benchmarks.gemm import SHAPES, TIMING, _close, _weights, graph_time_us, payload_commit
 from benchmarks.results import DEFAULT_DIRECTORY, write_result
 
 FUSED = {"qkv": False, "gate_up": True}  # shape: gated
@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = sweep(args.shapes, args.rows)
     payload = {
         "dtype": "bfloat16",
-        "timing": "CUDA-graph replay, round-robin over weight copies >= 256 MB in all, median "
-        "of 7 replays of ~1.5 ms",
+        "timing": TIMING,
         "cells": cells,
     }
     print(f"wrote {write_result('gemm-norm', payload, directory=args.out)}")
