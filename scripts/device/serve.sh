@@ -2,7 +2,8 @@
 # bench serve on the H200: `compile-engine serve` launched by the benchmark on Llama-3-8B-shaped
 # random bf16 weights, 512 prompt / 256 output tokens, 1536 requests at concurrency 256 (6 waves;
 # ~50 s of requests at 8k output tok/s, ~130 s at 3k). Usage on the device, from the repo root:
-#   bash scripts/device/serve.sh <commit>          (MODEL=/path overrides /tmp/l3: a model or artifact)
+#   bash scripts/device/serve.sh <commit>          (MODEL=/path overrides /tmp/l3: a model or artifact;
+#   SERVE_ARGS adds bench serve / engine flags, e.g. "--passes=-add_rms_norm_into_gemm")
 # Everything lands in $OUT: r/*.json, serve.log (the table), server.log, make-model.log.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
@@ -37,7 +38,7 @@ timeout -k 50 "$(left)" python3 -m benchmarks serve --launch --model "$MODEL" \
   --target h100 --dtype bfloat16 --dataset random --input-len 512 --output-len 256 \
   --num-prompts ${NUM_PROMPTS:-1536} --max-concurrency 256 --num-warmup 32 --ready-timeout 300 \
   --request-timeout 300 --goodput ttft:2000 tpot:100 \
-  --server-log "$OUT/server.log" --results-dir "$OUT/r" > "$OUT/serve.log" 2>&1
+  --server-log "$OUT/server.log" --results-dir "$OUT/r" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
 rc=$?
 grep -v Warn "$OUT/serve.log" | tail -22
 echo "== bench serve rc=$rc at $(elapsed) s (124: timed out)"
