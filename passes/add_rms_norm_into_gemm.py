@@ -23,9 +23,11 @@ H200, `bench breakdown --kernels`), each with a launch gap; fused, 5. Measured i
 231.7 without, batch 64 13,084.3 against 13,041.5, batch 256 29,072.2 against 28,865.4. Off by
 default all the same: serving lost with it (d65d012, 512/256 at concurrency 256: 7,260.8 output
 tok/s against 8,032.4 without, 768 prompts, one run each, same machine; the full 1,536-prompt
-run 6,889.8 with it, 7,797.5 at 4cb6abf without), TPOT p50 31.5 against 28.6 ms. Where it
-loses is not measured; the likely place is its unfused path (above 16 rows and in the cells
-without a record), which runs our norm kernel where the pass-off graph has Inductor's fusion.
+run 6,889.8 with it, 7,797.5 at 4cb6abf without), TPOT p50 31.5 against 28.6 ms. The
+inter-token latency's median hardly moved (19.7 against 20.3 ms), its p90 did (72.2 against
+58.7): the steps with a prompt chunk, above 512 tokens run outside CUDA graphs, where the op
+takes its unfused path (our norm kernel, `linear` and silu_and_mul, each a Python-level call)
+in place of Inductor's fused norm. Fixed decode batches (CUDA graphs) did not lose.
 """
 
 from __future__ import annotations
