@@ -17,7 +17,7 @@ import torch
 from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig, inductor_pdl
-from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
+from compiler.cuda_graphs import MAX_GRAPH_TOKENS, CUDAGraphRunner, default_capture_sizes
 from models.config import config_to_dict
 from models.loader import LoadedModel, export_hf_checkpoint, load_model
 from models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
@@ -50,12 +50,16 @@ def build_artifact(
     max_model_len: int | None = None,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
+    max_cuda_graph_tokens: int | None = None,
     block_size: int = 16,
     passes: str | None = None,
     progress: Callable[[str, float], None] | None = None,
     extra_steps: dict[str, BuildStep] | None = None,
 ) -> Manifest:
-    """Compile `model` for `target` into the artifact directory `out`; return its manifest."""
+    """Compile `model` for `target` into the artifact directory `out`; return its manifest.
+    max_cuda_graph_tokens (None: MAX_GRAPH_TOKENS) bounds the graph sizes warmed up here, so
+    that serve's graphs of the same bound find their kernels in the artifact."""
+    max_cuda_graph_tokens = max_cuda_graph_tokens or MAX_GRAPH_TOKENS
     say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
     out = Path(out).resolve()
     if out.exists() and any(out.iterdir()):
@@ -91,7 +95,9 @@ def build_artifact(
         kernels.append(str(dest.relative_to(out)))
 
     capture_sizes = (
-        default_capture_sizes(max_num_seqs, max_num_batched_tokens) if target == "h100" else []
+        default_capture_sizes(max_num_seqs, max_num_batched_tokens, max_cuda_graph_tokens)
+        if target == "h100"
+        else []
     )
     warm_up_s = 0.0
     if capture_sizes and not stats.host_sync_ops:
@@ -152,6 +158,7 @@ def build_artifact(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_cuda_graph_tokens=max_cuda_graph_tokens,
             block_size=block_size,
         ),
         passes=compiled.pass_manager.describe(),

@@ -30,15 +30,26 @@ from models.layers import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
-def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 4 to 16, of 8 to 64, of 16 to 128 and of 32 to 512, up to
-    max(max_num_seqs, 512) tokens within the token budget: every decode batch and mixed
-    batches up to 512 tokens replay a graph. Measured: 28 graphs, 6.5 s, 0.12 GiB on the H200
-    for Llama-3-8B (benchmarks/results/startup-nvidia-h200-*.json)."""
+MAX_GRAPH_TOKENS = 512  # the largest mixed batch that replays a graph, by default
+
+
+def default_capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int, max_graph_tokens: int = MAX_GRAPH_TOKENS
+) -> list[int]:
+    """1, 2, 4, 8, then steps of 4 to 16, of 8 to 64, of 16 to 128, of 32 to 512 and of 256
+    above to max_graph_tokens (and it), within the token budget: every decode batch (up to
+    512 sequences) and mixed batches up to max_graph_tokens replay a graph. Measured with the
+    default 512: 28 graphs, 6.5 s, 0.12 GiB on the H200 for Llama-3-8B
+    (benchmarks/results/startup-nvidia-h200-*.json). Above 512 a step is compute-bound on
+    the H200 and pays for its padding; a graph there saves the host's launches of the
+    pieces (`--max-cuda-graph-tokens`)."""
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
     sizes += list(range(160, 513, 32))
-    limit = max(min(max_num_batched_tokens, 512), min(max_num_seqs, max_num_batched_tokens))
-    return [s for s in sizes if s <= limit]
+    sizes += list(range(768, max_graph_tokens + 1, 256))
+    limit = min(max(max_graph_tokens, max_num_seqs), max_num_batched_tokens)
+    sizes = [s for s in sizes if s <= limit]
+    top = min(max_graph_tokens, max_num_batched_tokens)
+    return sizes + [top] if top > max(sizes[-1], 512) else sizes
 
 
 class CUDAGraphRunner:

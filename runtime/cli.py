@@ -21,6 +21,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-cuda-graph-tokens",
+        type=int,
+        default=None,
+        help="largest step (tokens) that replays a CUDA graph on h100 (default 512); give "
+        "`build` the same, so that the artifact holds those sizes' kernels",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -42,6 +49,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_cuda_graph_tokens=args.max_cuda_graph_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
@@ -105,6 +113,7 @@ def _build(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_cuda_graph_tokens=args.max_cuda_graph_tokens,
         block_size=args.block_size,
         passes=args.passes,
         progress=progress,
@@ -217,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-model-len", type=int, default=None)
     build.add_argument("--max-num-seqs", type=int, default=256)
     build.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    build.add_argument(
+        "--max-cuda-graph-tokens",
+        type=int,
+        default=None,
+        help="largest CUDA-graph size serve will capture (default 512): its kernels compiled here",
+    )
     build.add_argument("--block-size", type=int, default=16)
     build.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
     build.set_defaults(func=_build)

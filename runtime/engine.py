@@ -17,7 +17,7 @@ import torch
 from compiler.artifact import Manifest, device_description, is_artifact
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
-from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
+from compiler.cuda_graphs import MAX_GRAPH_TOKENS, CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig, config_from_dict
 from models.loader import LoadedModel, WeightRead, open_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
@@ -57,6 +57,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The largest step (in tokens) that replays a CUDA graph; None: the artifact's build
+    # setting, else MAX_GRAPH_TOKENS (512). Larger steps run the compiled pieces one by one
+    # (compiler/cuda_graphs.py).
+    max_cuda_graph_tokens: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
@@ -84,6 +88,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        graph_tokens = self.max_cuda_graph_tokens
+        if graph_tokens is not None and (not isinstance(graph_tokens, int) or graph_tokens < 1):
+            raise EngineConfigError(
+                f"max_cuda_graph_tokens={graph_tokens!r} is invalid: must be an integer >= 1"
+            )
         pool = self.kv_pool_sequences
         if pool is not None and (not isinstance(pool, int) or pool < 1):
             raise EngineConfigError(
@@ -183,6 +192,8 @@ class LLMEngine:
             passes = ",".join(p["name"] for p in manifest.passes)
             if config.max_model_len is None:
                 config.max_model_len = manifest.engine_args.get("max_model_len")
+            if config.max_cuda_graph_tokens is None:
+                config.max_cuda_graph_tokens = manifest.engine_args.get("max_cuda_graph_tokens")
             self.timings["artifact_check_s"] = time.perf_counter() - t0
         # The weight read's own duration; with the read on a thread (below) it overlaps the
         # phases, which count only the main thread's wait for it (`weights_wait_s`).
@@ -291,7 +302,9 @@ class LLMEngine:
                     self.compiled,
                     self.runner.kv_caches,
                     capture_sizes=default_capture_sizes(
-                        config.max_num_seqs, config.max_num_batched_tokens
+                        config.max_num_seqs,
+                        config.max_num_batched_tokens,
+                        config.max_cuda_graph_tokens or MAX_GRAPH_TOKENS,
                     ),
                     max_num_seqs=config.max_num_seqs,
                     max_blocks_per_seq=-(-self.max_model_len // config.block_size),

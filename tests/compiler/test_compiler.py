@@ -115,6 +115,7 @@ print("RESULT " + json.dumps({
     "timings": llm.engine.timings,
     "weights_read_s": llm.engine.weights_read_s,
     "transformers_imported": transformers_imported,
+    "max_cuda_graph_tokens": llm.engine.config.max_cuda_graph_tokens,
 }))
 """
 
@@ -137,10 +138,13 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
             "float32",
             "--out",
             str(artifact),
+            "--max-cuda-graph-tokens",
+            "1024",
         ]
     )
     assert build.returncode == 0, build.stderr
     manifest = Manifest.read(artifact)
+    assert manifest.engine_args["max_cuda_graph_tokens"] == 1024
     assert manifest.compile["num_compiled_pieces"] == 3
     assert manifest.kernels and all((artifact / k).is_file() for k in manifest.kernels)
     passes = {p["name"]: p for p in manifest.passes}
@@ -176,6 +180,7 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
     # The config comes from the manifest, and these models have no tokenizer: transformers,
     # whose config classes import its modeling stack, is never imported by the load.
     assert not result["transformers_imported"]
+    assert result["max_cuda_graph_tokens"] == 1024  # the build's bound, unless serve sets one
     eager = LLM(str(model_dir), dtype="float32", target="cpu", enforce_eager=True)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
     assert result["tokens"] == want

@@ -61,3 +61,9 @@ def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monke
     with pytest.raises(Stop):
         cli.main(["generate", str(tiny_dir), "hi", "--target", "cpu", "--enforce-eager"])
     assert seen[0].kv_pool_sequences == 1 and seen[0].num_kv_blocks is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_a_bad_cuda_graph_bound_is_refused(tiny_dir, bad):
+    with pytest.raises(EngineConfigError, match="max_cuda_graph_tokens"):
+        _engine(tiny_dir, max_cuda_graph_tokens=bad)
