@@ -28,6 +28,7 @@ def add_engine_flags(
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
+    p.add_argument("--max-cuda-graph-tokens", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
