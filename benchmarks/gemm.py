@@ -437,12 +437,18 @@ def main(argv: list[str] | None = None) -> int:
         "precompile": compiled,
         "cells": cells,
     }
-    print(f"wrote {write_result('gemm', payload, directory=args.out)}")
+    return save_sweep("gemm", payload, args, write_configs)
+
+
+def save_sweep(name: str, payload: dict, args: argparse.Namespace, write: Callable) -> int:
+    """The sweep's JSON under args.out and, with --write-configs, `write(cells, path,
+    min_speedup, provenance)` into the tuned table."""
+    print(f"wrote {write_result(name, payload, directory=args.out)}")
     if args.write_configs:
         from kernels_generated.configs import tuning_provenance
 
-        info = {**tuning_provenance(), "sweep": f"gemm@{payload_commit()}"}
-        write_configs(cells, args.write_configs, args.min_speedup, info)
+        info = {**tuning_provenance(), "sweep": f"{name}@{payload_commit()}"}
+        write(payload["cells"], args.write_configs, args.min_speedup, info)
     return 0
 
 

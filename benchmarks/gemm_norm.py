@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from benchmarks.gemm import SHAPES, TIMING, _close, _weights, graph_time_us, payload_commit
-from benchmarks.results import DEFAULT_DIRECTORY, write_result
+from benchmarks.gemm import SHAPES, TIMING, _close, _weights, graph_time_us, save_sweep
+from benchmarks.results import DEFAULT_DIRECTORY
 
 FUSED = {"qkv": False, "gate_up": True}  # shape: gated
 ROWS = (1, 2, 4, 8, 16)
@@ -178,13 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing": TIMING,
         "cells": cells,
     }
-    print(f"wrote {write_result('gemm-norm', payload, directory=args.out)}")
-    if args.write_configs:
-        from kernels_generated.configs import tuning_provenance
-
-        info = {**tuning_provenance(), "sweep": f"gemm-norm@{payload_commit()}"}
-        write_configs(cells, args.write_configs, args.min_speedup, info)
-    return 0
+    return save_sweep("gemm-norm", payload, args, write_configs)
 
 
 if __name__ == "__main__":
