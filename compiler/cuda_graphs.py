@@ -34,7 +34,7 @@ MAX_GRAPH_TOKENS = 512  # the largest mixed batch that replays a graph, by defau
 
 
 def default_capture_sizes(
-    max_num_seqs: int, max_num_batched_tokens: int, max_graph_tokens: int = MAX_GRAPH_TOKENS
+    max_num_seqs: int, max_num_batched_tokens: int, max_graph_tokens: int | None = None
 ) -> list[int]:
     """1, 2, 4, 8, then steps of 4 to 16, of 8 to 64, of 16 to 128, of 32 to 512 and of 256
     above to max_graph_tokens (and it), within the token budget: every decode batch (up to
@@ -42,7 +42,8 @@ def default_capture_sizes(
     default 512: 28 graphs, 6.5 s, 0.12 GiB on the H200 for Llama-3-8B
     (benchmarks/results/startup-nvidia-h200-*.json). Above 512 a step is compute-bound on
     the H200 and pays for its padding; a graph there saves the host's launches of the
-    pieces (`--max-cuda-graph-tokens`)."""
+    pieces (`--max-cuda-graph-tokens`; None: MAX_GRAPH_TOKENS)."""
+    max_graph_tokens = max_graph_tokens or MAX_GRAPH_TOKENS
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
     sizes += list(range(160, 513, 32))
     sizes += list(range(768, max_graph_tokens + 1, 256))

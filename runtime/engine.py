@@ -17,7 +17,7 @@ import torch
 from compiler.artifact import Manifest, device_description, is_artifact
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
-from compiler.cuda_graphs import MAX_GRAPH_TOKENS, CUDAGraphRunner, default_capture_sizes
+from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig, config_from_dict
 from models.loader import LoadedModel, WeightRead, open_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
@@ -304,7 +304,7 @@ class LLMEngine:
                     capture_sizes=default_capture_sizes(
                         config.max_num_seqs,
                         config.max_num_batched_tokens,
-                        config.max_cuda_graph_tokens or MAX_GRAPH_TOKENS,
+                        config.max_cuda_graph_tokens,
                     ),
                     max_num_seqs=config.max_num_seqs,
                     max_blocks_per_seq=-(-self.max_model_len // config.block_size),

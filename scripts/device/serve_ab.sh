@@ -1,8 +1,8 @@
 #!/bin/bash
 # A/B (or A/B/C) of engine variants under `bench serve` (512/256 at concurrency 256) in one device
-# call, the runs alternating as in latency_ab.sh. A variant is a quoted string of bench serve /
-# engine flags and VAR=value settings that the launched server inherits, e.g. "" (the defaults),
-# "--passes=+add_rms_norm_into_gemm", "COMPILE_ENGINE_PDL=0" or
+# call, the runs alternating as in latency_ab.sh (scripts/device/ab.sh). A variant is a quoted
+# string of bench serve / engine flags and VAR=value settings that the launched server inherits,
+# e.g. "" (the defaults), "--passes=+add_rms_norm_into_gemm", "COMPILE_ENGINE_PDL=0" or
 # "COMPILE_ENGINE_SKINNY_GEMM_CONFIGS=scripts/device/skinny_gemm_mlp_cublas.json". Usage:
 #   bash scripts/device/serve_ab.sh <commit> <rounds> "<variant A>" "<variant B>" ...
 # NUM_PROMPTS (768 here: 3 waves, ~1 minute a run at 8k tok/s) and MODEL as for serve.sh. The
@@ -11,23 +11,18 @@
 set -u
 commit=$1 rounds=$2
 shift 2
-variants=("$@")
-labels=(a b c d e f g h)
 export NUM_PROMPTS=${NUM_PROMPTS:-768}
 REAL_OUT=${OUT:-/tmp/out}
 T0=$(date +%s)
-for round in $(seq 1 "$rounds"); do
-  for i in "${!variants[@]}"; do
-    label=${labels[$i]} envs=() args=()
-    for word in ${variants[$i]}; do
-      if [[ $word == *=* && $word != -* ]]; then envs+=("$word"); else args+=("$word"); fi
-    done
-    dir=/tmp/serve-ab/$label-r$round
-    rm -rf "$dir"; mkdir -p "$dir"
-    env "${envs[@]}" OUT="$dir" SERVE_ARGS="${args[*]}" SERVE_BUDGET_S=240 \
-      bash scripts/device/serve.sh "$commit" > "$dir/run.log" 2>&1
-    cp "$dir"/r/serve-*.json "$REAL_OUT/$label-r$round.json" 2>/dev/null
-    echo "$label round $round (${variants[$i]}): $(grep -E 'output tok/s|TPOT' "$dir/serve.log" \
-      | tr -s ' ' | tr '\n' ' ')at $(( $(date +%s) - T0 )) s"
-  done
-done
+source scripts/device/ab.sh
+run() {  # run <label> <round> <variant>
+  local label=$1 round=$2 dir=/tmp/serve-ab/$1-r$2
+  split_variant "$3"
+  rm -rf "$dir"; mkdir -p "$dir"
+  env "${ENVS[@]}" OUT="$dir" SERVE_ARGS="${ARGS[*]}" SERVE_BUDGET_S=240 \
+    bash scripts/device/serve.sh "$commit" > "$dir/run.log" 2>&1
+  cp "$dir"/r/serve-*.json "$REAL_OUT/$label-r$round.json" 2>/dev/null
+  echo "$label round $round ($3): $(grep -E 'output tok/s|TPOT' "$dir/serve.log" \
+    | tr -s ' ' | tr '\n' ' ')at $(( $(date +%s) - T0 )) s"
+}
+alternate "$rounds" run "$@"
