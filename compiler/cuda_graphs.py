@@ -30,7 +30,7 @@ from models.layers import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
-MAX_GRAPH_TOKENS = 512  # the largest mixed batch that replays a graph, by default
+MAX_GRAPH_TOKENS = 2048  # the largest mixed batch that replays a graph, by default
 
 
 def default_capture_sizes(
@@ -38,11 +38,12 @@ def default_capture_sizes(
 ) -> list[int]:
     """1, 2, 4, 8, then steps of 4 to 16, of 8 to 64, of 16 to 128, of 32 to 512 and of 256
     above to max_graph_tokens (and it), within the token budget: every decode batch (up to
-    512 sequences) and mixed batches up to max_graph_tokens replay a graph. Measured with the
-    default 512: 28 graphs, 6.5 s, 0.12 GiB on the H200 for Llama-3-8B
-    (benchmarks/results/startup-nvidia-h200-*.json). Above 512 a step is compute-bound on
-    the H200 and pays for its padding; a graph there saves the host's launches of the
-    pieces (`--max-cuda-graph-tokens`; None: MAX_GRAPH_TOKENS)."""
+    512 sequences) and mixed batches up to max_graph_tokens replay a graph. With serve's
+    defaults (256 sequences, 2,048 tokens) that is 34 graphs, every step of a serving run:
+    steps with prompt chunks run 768-2,048 tokens, and launched piece by piece from the host
+    they cost serving a fifth of its throughput on the H200 (`serve-*-graphs-512-*.json`).
+    `--max-cuda-graph-tokens` lowers the bound (512: the 28 sizes up to 512 of before);
+    None: MAX_GRAPH_TOKENS."""
     max_graph_tokens = max_graph_tokens or MAX_GRAPH_TOKENS
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
     sizes += list(range(160, 513, 32))

@@ -25,7 +25,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-cuda-graph-tokens",
         type=int,
         default=None,
-        help="largest step (tokens) that replays a CUDA graph on h100 (default 512); give "
+        help="largest step (tokens) that replays a CUDA graph on h100 (default 2048); give "
         "`build` the same, so that the artifact holds those sizes' kernels",
     )
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-cuda-graph-tokens",
         type=int,
         default=None,
-        help="largest CUDA-graph size serve will capture (default 512): its kernels compiled here",
+        help="largest CUDA-graph size serve will capture (default 2048): its kernels compiled here",
     )
     build.add_argument("--block-size", type=int, default=16)
     build.add_argument("--passes", default=None, help="+name,-name relative to the defaults")

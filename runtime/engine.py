@@ -58,7 +58,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # The largest step (in tokens) that replays a CUDA graph; None: the artifact's build
-    # setting, else MAX_GRAPH_TOKENS (512). Larger steps run the compiled pieces one by one
+    # setting, else MAX_GRAPH_TOKENS (2,048). Larger steps run the compiled pieces one by one
     # (compiler/cuda_graphs.py).
     max_cuda_graph_tokens: int | None = None
     enable_prefix_caching: bool = True

@@ -33,7 +33,9 @@ def llm_4layers(llama8b_4layers):
         dtype="bfloat16",
         num_kv_blocks=256,
         max_num_seqs=16,
-        max_num_batched_tokens=256,
+        # Graphs up to 1,024 tokens: 768 and 1,024 are the sizes above 512, where steps with
+        # prompt chunks replay a graph too (MAX_GRAPH_TOKENS).
+        max_num_batched_tokens=1024,
     )
 
 
@@ -91,19 +93,26 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
     assert ours_fp32 >= floor - 0.02
 
 
-def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers):
+# Mixed batches: a prompt chunk of a sequence with cached tokens beside 3 decodes. 23 tokens
+# replay the 24-token graph (single-token attention kernel); 603 replay the 768-token one,
+# whose capture shape picks the tiled prefill kernel.
+@pytest.mark.parametrize(
+    ("lens", "new", "graph_size"),
+    [([25, 9, 17, 33], [20, 1, 1, 1], 24), ([700, 9, 17, 33], [600, 1, 1, 1], 768)],
+)
+def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, new, graph_size):
     from models.layers import AttentionMetadata
 
     runner = llm_4layers.engine.runner
-    assert runner.graphs is not None and runner.graphs.graphs
-    # A mixed batch: a 20-token prefill chunk of a sequence with 5 cached tokens + 3 decodes.
-    lens, new = [25, 9, 17, 33], [20, 1, 1, 1]
+    assert runner.graphs is not None and graph_size in runner.graphs.sizes
+    assert max(runner.graphs.sizes) == 1024
+    width = max(-(-n // 16) for n in lens)
     slots, ids, pos, starts, tables = [], [], [], [0], []
     next_block = 1
     for n_ctx, n_new in zip(lens, new, strict=True):
         table = list(range(next_block, next_block + -(-n_ctx // 16)))
         next_block += len(table)
-        tables.append(table + [0] * (3 - len(table)))
+        tables.append(table + [0] * (width - len(table)))
         for p in range(n_ctx - n_new, n_ctx):
             slots.append(table[p // 16] * 16 + p % 16)
             pos.append(p)
@@ -117,7 +126,9 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers):
     )
     ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
     with torch.inference_mode():
-        graphed = runner.graphs.run(ids_t, pos_t, meta).float().clone()
+        graphed = runner.graphs.run(ids_t, pos_t, meta)
+        assert graphed is not None, "the step did not replay a graph"
+        graphed = graphed.float().clone()
         dev = [
             t.cuda()
             for t in (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
@@ -125,6 +136,7 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers):
         plain = runner.forward(
             ids_t.cuda(), pos_t.cuda(), runner.kv_caches, AttentionMetadata(*dev)
         ).float()
+    assert graphed.shape == plain.shape == (len(ids), plain.shape[-1])
     cosine = torch.nn.functional.cosine_similarity(graphed, plain, dim=-1)
     assert cosine.min().item() >= 0.999, cosine
 
