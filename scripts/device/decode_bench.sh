@@ -15,10 +15,10 @@ mkdir -p $OUT/r
 T0=$(date +%s)
 [ -d /tmp/l3 ] || (python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda 2>&1 | tail -1) &
 timeout 90 python3 -m pytest tests/kernels/test_paged_attention.py tests/kernels/test_skinny_gemm.py \
-  tests/kernels/test_argmax.py -m gpu -q -p no:cacheprovider 2>&1 | tail -2
+  tests/kernels/test_argmax.py -m gpu -q -p no:cacheprovider 2>&1 | tee $OUT/tests-kernels.log | tail -2
 echo "== kernel tests at $(( $(date +%s) - T0 )) s"
-timeout 100 python3 -m pytest tests/gpu/test_h100.py tests/passes/test_skinny_gemm_pass.py -m gpu -q \
-  -p no:cacheprovider 2>&1 | tail -2
+timeout 150 python3 -m pytest tests/gpu/test_h100.py tests/passes/test_skinny_gemm_pass.py -m gpu -q \
+  -p no:cacheprovider 2>&1 | tee $OUT/tests-h100.log | tail -2
 echo "== h100 tests at $(( $(date +%s) - T0 )) s"
 wait
 L3="--model /tmp/l3 --target h100 --dtype bfloat16 --results-dir $OUT/r"
