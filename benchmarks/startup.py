@@ -110,16 +110,21 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=3600)
 
 
-def bench_startup(model: str, target: str, dtype: str, out: Path | None, engine: dict) -> dict:
+def bench_startup(
+    model: str, target: str, dtype: str, out: Path | None, engine: dict, build_flags=()
+) -> dict:
     if out is not None:
-        return build_and_load(model, target, dtype, out, engine)
+        return build_and_load(model, target, dtype, out, engine, build_flags)
     # Without --out the artifact is measured and deleted (with a GGUF source it holds the
     # dequantised weights: 0.5 GB for SmolLM2).
     with tempfile.TemporaryDirectory(prefix="ce-startup-") as work:
-        return build_and_load(model, target, dtype, Path(work) / "artifact", engine)
+        return build_and_load(model, target, dtype, Path(work) / "artifact", engine, build_flags)
 
 
-def build_and_load(model: str, target: str, dtype: str, artifact: Path, engine: dict) -> dict:
+def build_and_load(
+    model: str, target: str, dtype: str, artifact: Path, engine: dict, build_flags=()
+) -> dict:
+    """build_flags: more `compile-engine build` flags; the load takes what the build recorded."""
     if artifact.exists():
         shutil.rmtree(artifact)
     start = time.perf_counter()
@@ -136,6 +141,7 @@ def build_and_load(model: str, target: str, dtype: str, artifact: Path, engine: 
             dtype,
             "--out",
             str(artifact),
+            *build_flags,
         ]
     )
     build_s = time.perf_counter() - start
@@ -157,6 +163,7 @@ def build_and_load(model: str, target: str, dtype: str, artifact: Path, engine: 
         "benchmark": "startup",
         "model": model,
         "target": target,
+        "build_flags": list(build_flags),
         "cold_build_s": round(build_s, 2),
         "build_timings": manifest["timings"],
         "build_compile": manifest["compile"],
@@ -192,11 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", default=None, help="artifact directory (default: a temp dir)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--max-cuda-graph-tokens",
+        type=int,
+        default=None,
+        help="the build's graph bound, which the start from its artifact takes (default 2048)",
+    )
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY))
     args = p.parse_args(argv)
     engine = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
     out = Path(args.out) if args.out else None
-    payload = bench_startup(args.model, args.target, args.dtype, out, engine)
+    bound = args.max_cuda_graph_tokens
+    flags = ["--max-cuda-graph-tokens", str(bound)] if bound else []
+    payload = bench_startup(args.model, args.target, args.dtype, out, engine, flags)
     print(f"{'cold build':<30}{payload['cold_build_s']:>8.2f} s")
     print(f"{'ready from artifact':<30}{payload['startup_ready_s']:>8.2f} s")
     for k, v in payload["ready_phases"].items():

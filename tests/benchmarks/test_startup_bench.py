@@ -19,12 +19,17 @@ def test_startup_end_to_end(tmp_path):
     results = tmp_path / "results"
     rc = startup.main(
         ["--model", str(model), "--target", "cpu", "--dtype", "float32", "--num-kv-blocks",
-         "16", "--out", str(tmp_path / "artifact"), "--results-dir", str(results)]
+         "16", "--out", str(tmp_path / "artifact"), "--results-dir", str(results),
+         "--max-cuda-graph-tokens", "1024"]
     )  # fmt: skip
     assert rc == 0
+    # The bound reaches the build, which records it for the start from its artifact.
+    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    assert manifest["engine_args"]["max_cuda_graph_tokens"] == 1024
     (path,) = results.glob("startup-*.json")
     data = json.loads(path.read_text())
     assert set(data) >= RECORD_KEYS
+    assert data["build_flags"] == ["--max-cuda-graph-tokens", "1024"]
     phases = data["ready_phases"]
     assert {"import_s", "artifact_check_s", "model_init_s", "weights_wait_s", "tokenizer_s",
             "kv_cache_s", "compile_s", "gc_s"} <= set(phases)  # fmt: skip
