@@ -20,14 +20,12 @@ Why: a batch-1 layer runs 8 kernels, 3 of them small ones between the GEMVs (two
 Inductor's fused add + rms_norm and silu_and_mul: 165 + 50 us a step of 4.35 ms at 57cd701,
 H200, `bench breakdown --kernels`), each with a launch gap; fused, 5. Measured in the engine
 (H200, c7d6b25, `latency_ab.sh`, 2 runs each): batch 1 237.3 / 237.7 tok/s against 232.4 /
-231.7 without, batch 64 13,084.3 against 13,041.5, batch 256 29,072.2 against 28,865.4. Off by
-default all the same: serving lost with it (d65d012, 512/256 at concurrency 256: 7,260.8 output
-tok/s against 8,032.4 without, 768 prompts, one run each, same machine; the full 1,536-prompt
-run 6,889.8 with it, 7,797.5 at 4cb6abf without), TPOT p50 31.5 against 28.6 ms. The
-inter-token latency's median hardly moved (19.7 against 20.3 ms), its p90 did (72.2 against
-58.7): the steps with a prompt chunk, above 512 tokens run outside CUDA graphs, where the op
-takes its unfused path (our norm kernel, `linear` and silu_and_mul, each a Python-level call)
-in place of Inductor's fused norm. Fixed decode batches (CUDA graphs) did not lose.
+231.7 without, batch 64 13,084.3 against 13,041.5, batch 256 29,072.2 against 28,865.4.
+Serving (512/256 at concurrency 256, 768 prompts, one run each, same machine): 9,254.2 output
+tok/s against 8,876.6 without at 70bb76a, where every serving step replays a CUDA graph. While
+steps above 512 tokens ran outside graphs (d65d012) it lost there, 7,260.8 against 8,032.4:
+outside a graph its unfused path (our norm kernel, `linear`, silu_and_mul) is launched piece by
+piece from Python in place of Inductor's one fused norm.
 """
 
 from __future__ import annotations
@@ -68,7 +66,6 @@ class AddRmsNormIntoGemm(GraphPass):
     name = "add_rms_norm_into_gemm"
     description = "add_rms_norm -> linear [-> silu_and_mul] fused in the skinny GEMM, <= 16 rows"
     targets = ("h100",)
-    default_on = False
     dtypes = (torch.bfloat16, torch.float16)
     kernel_files = (
         "kernels_generated/skinny_gemm.py",

@@ -59,9 +59,9 @@ def test_does_not_apply_on_cpu_or_in_float32(graph, ctx):
     assert count_matches("add_rms_norm_into_gemm", graph, ctx) == 0
 
 
-def test_off_by_default_and_before_the_passes_it_would_race():
-    assert "add_rms_norm_into_gemm" not in [p.name for p in select(None)]
-    chosen = [p.name for p in select("+add_rms_norm_into_gemm,+rms_norm_triton")]
+def test_on_by_default_and_before_the_passes_it_would_race():
+    assert "add_rms_norm_into_gemm" in [p.name for p in select(None)]
+    chosen = [p.name for p in select("+rms_norm_triton")]
     assert chosen.index("add_rms_norm_into_gemm") < chosen.index("rms_norm_triton")
     assert chosen.index("add_rms_norm_into_gemm") < chosen.index("skinny_gemm")
 
