@@ -41,7 +41,7 @@ def default_capture_sizes(
     512 sequences) and mixed batches up to max_graph_tokens replay a graph. With serve's
     defaults (256 sequences, 2,048 tokens) that is 34 graphs, every step of a serving run:
     steps with prompt chunks run 768-2,048 tokens, and launched piece by piece from the host
-    they cost serving a fifth of its throughput on the H200 (`serve-*-graphs-512-*.json`).
+    they cost serving a sixth of its throughput on the H200 (`serve-768-graphs-*.json`).
     `--max-cuda-graph-tokens` lowers the bound (512: the 28 sizes up to 512 of before);
     None: MAX_GRAPH_TOKENS."""
     max_graph_tokens = max_graph_tokens or MAX_GRAPH_TOKENS
