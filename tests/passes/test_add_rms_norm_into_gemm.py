@@ -18,7 +18,6 @@ from passes.registry import select
 from passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
-    capture_graph,
     count_matches,
     make_model_dir,
     targets_of,
@@ -28,11 +27,6 @@ LAYERS = 2  # tests/tiny_models
 # Layer 0's input norm has no residual yet (rms_norm) and the final norm feeds lm_head outside
 # the graph: the post-attention norm of every layer and the input norm of the others.
 MATCHES = 2 * LAYERS - 1
-
-
-@pytest.fixture(scope="module")
-def graph():
-    return capture_graph("llama")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

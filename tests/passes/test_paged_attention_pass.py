@@ -5,19 +5,13 @@ Triton interpreter, so here the pass's rewrite is checked in the graph without r
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from compiler.backend import host_sync_ops
 from passes.base import PassContext
-from passes.testing import apply_pass, capture_graph, count_matches, targets_of
+from passes.testing import apply_pass, count_matches, targets_of
 
 LAYERS = 2  # tests/tiny_models
-
-
-@pytest.fixture(scope="module")
-def graph():
-    return capture_graph("llama")
 
 
 def test_one_match_per_layer_on_h100(graph):

@@ -15,18 +15,12 @@ from passes.registry import select
 from passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
-    capture_graph,
     count_matches,
     make_model_dir,
     targets_of,
 )
 
 LAYERS = 2  # tests/tiny_models
-
-
-@pytest.fixture(scope="module")
-def graph():
-    return capture_graph("llama")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

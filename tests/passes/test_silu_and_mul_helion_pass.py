@@ -17,7 +17,6 @@ from passes.registry import select
 from passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
-    capture_graph,
     count_matches,
     make_model_dir,
     run_interpreted,
@@ -28,11 +27,6 @@ pytest.importorskip("helion", reason="helion is not installed (pip install helio
 
 LAYERS = 2  # tests/tiny_models
 INTERPRETED = os.environ.get("HELION_INTERPRET") == "1"
-
-
-@pytest.fixture(scope="module")
-def graph():
-    return capture_graph("llama")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -17,7 +17,6 @@ from passes.registry import select
 from passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
-    capture_graph,
     copy_graph,
     count_matches,
     make_model_dir,
@@ -25,11 +24,6 @@ from passes.testing import (
 )
 
 LAYERS = 2  # tests/tiny_models
-
-
-@pytest.fixture(scope="module")
-def graph():
-    return capture_graph("llama")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

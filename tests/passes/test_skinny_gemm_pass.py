@@ -26,11 +26,6 @@ LAYERS = 2  # tests/tiny_models
 LINEARS = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
 
 
-@pytest.fixture(scope="module")
-def graph():
-    return capture_graph("llama")
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_linear_on_h100(graph, dtype):
     ctx = PassContext("h100", dtype)
