@@ -60,7 +60,30 @@ _SERVER_COUNTERS = {
     "num_preemptions_total": "preemptions",
     "generation_tokens_total": "generation_tokens",
     "prompt_tokens_total": "prompt_tokens",
+    # Ours (runtime/metrics.py): the engine's steps, and whether the host or the device bounds them.
+    "engine_steps_total": "steps",
+    "engine_step_tokens_total": "step_tokens",
+    "engine_graph_steps_total": "graph_steps",
+    "engine_busy_seconds_total": "busy_s",
+    "engine_device_wait_seconds_total": "device_wait_s",
 }
+
+
+def step_summary(counters: dict[str, float]) -> dict[str, float] | None:
+    """The timed requests' engine steps from our server's counters (None from another server):
+    tokens a step, the share replayed from CUDA graphs, the engine thread's time a step, and
+    the share of it spent waiting for the device (near 1: device-bound; near 0: host-bound)."""
+    steps = counters.get("steps")
+    if not steps:
+        return None
+    busy = counters.get("busy_s", 0.0)
+    return {
+        "steps": int(steps),
+        "tokens_per_step": round(counters.get("step_tokens", 0.0) / steps, 1),
+        "graph_step_share": round(counters.get("graph_steps", 0.0) / steps, 4),
+        "busy_ms_per_step": round(1000 * busy / steps, 3),
+        "device_wait_share": round(counters.get("device_wait_s", 0.0) / busy, 4) if busy else 0.0,
+    }
 
 
 class ServeBenchError(RuntimeError):
@@ -661,6 +684,7 @@ def benchmark(args: argparse.Namespace, base_url: str) -> dict:
     after = server_counters(base_url)
     metrics = compute_metrics(results, duration, parse_goodput(args.goodput))
     metrics["server_counters"] = {k: after[k] - before.get(k, 0.0) for k in after}
+    metrics["server_steps"] = step_summary(metrics["server_counters"])
     metrics["served_model"] = card.get("id")
     metrics["max_model_len"] = max_len
     if args.save_requests:
@@ -780,6 +804,17 @@ def _print(p: dict) -> None:
             (
                 f"{label} ms mean/median/p90/p99",
                 f"{s['mean']:.2f} / {s['median']:.2f} / {s['p90']:.2f} / {s['p99']:.2f}",
+            )
+        )
+    steps = p.get("server_steps")
+    if steps:
+        rows.append(
+            (
+                "server steps",
+                f"{steps['steps']}, {steps['tokens_per_step']:.1f} tokens and "
+                f"{steps['busy_ms_per_step']:.2f} ms each, "
+                f"{100 * steps['graph_step_share']:.0f}% from CUDA graphs, "
+                f"{100 * steps['device_wait_share']:.0f}% waiting for the device",
             )
         )
     print_table(rows, title="serve (online, streaming /v1/completions)")

@@ -21,6 +21,7 @@ engine is declared dead: new requests are refused and /health reports it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -31,6 +32,7 @@ from typing import TypeVar
 
 from runtime.engine import LLMEngine, RequestOutput
 from runtime.metrics import ServerMetrics
+from runtime.model_runner import StepCounters
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import DuplicateRequest, SchedulerStats
 
@@ -74,6 +76,7 @@ class _CycleResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     step_error: Exception | None = None
     stats: SchedulerStats | None = None
+    counters: StepCounters | None = None
     has_unfinished: bool = False
 
 
@@ -82,7 +85,9 @@ class AsyncLLM:
         self.engine = engine
         self.model_name = model_name
         self.stats: SchedulerStats | None = engine.stats()  # snapshot from the engine thread
-        self.metrics = ServerMetrics(model_name, lambda: self.stats)
+        # The runner's step counters, copied in the engine thread after each cycle.
+        self.counters = dataclasses.replace(engine.runner.counters)
+        self.metrics = ServerMetrics(model_name, lambda: self.stats, lambda: self.counters)
         self.dead: BaseException | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._requests: dict[str, _Tracked] = {}
@@ -205,6 +210,7 @@ class AsyncLLM:
             else:
                 self._engine_busy = result.has_unfinished
                 self.stats = result.stats or self.stats
+                self.counters = result.counters or self.counters
             self._finish_adds(adds, result.add_errors)
             self._route(result.outputs)
             if result.step_error is None:
@@ -244,6 +250,7 @@ class AsyncLLM:
                 log.exception("engine step failed; failing the in-flight requests")
                 result.step_error = exc
         result.stats = engine.stats()
+        result.counters = dataclasses.replace(engine.runner.counters)
         result.has_unfinished = engine.has_unfinished_requests()
         return result
 

@@ -480,6 +480,7 @@ class LLMEngine:
         tokens and processes them, so the host's work overlaps the device's. The outputs are
         therefore one step behind the launches; the tokens are the same.
         """
+        started = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not self._overlap():
@@ -493,6 +494,7 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 outputs += self._process(launched)
+        self.runner.counters.busy_s += time.perf_counter() - started
         return outputs
 
     def _overlap(self) -> bool:

@@ -4,7 +4,10 @@ for vLLM map over by replacing `vllm:` with `compile_engine:`.
 Each app gets its own CollectorRegistry (tests build several apps in one process). Gauges and
 the scheduler's cumulative counters are read from the latest scheduler snapshot at scrape time
 by a custom collector, instead of being pushed every step: the snapshot is taken in the engine
-thread after each step, so a scrape never touches the (not thread-safe) scheduler.
+thread after each step, so a scrape never touches the (not thread-safe) scheduler. The
+`engine_*` counters are ours (vLLM has no such names), read the same way from the runner's
+`StepCounters`: steps, their tokens, how many replayed a CUDA graph, the engine thread's time in
+step() and how much of it waited for the device.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from runtime.model_runner import StepCounters
 from runtime.scheduler import SchedulerStats
 
 PREFIX = "compile_engine:"
@@ -36,14 +40,18 @@ _E2E_BUCKETS = (
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], SchedulerStats | None],
+        counters: Callable[[], StepCounters | None],
+    ) -> None:
         self._model_name = model_name
         self._stats = stats
+        self._counters = counters
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:
-            return
+        stats, steps = self._stats(), self._counters()
         labels = ["model_name"]
         values = [self._model_name]
 
@@ -57,6 +65,10 @@ class _SchedulerCollector(Collector):
             metric.add_metric(values, value)
             return metric
 
+        if steps is not None:
+            yield from self._step_counters(steps, counter)
+        if stats is None:
+            return
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield gauge(
@@ -74,13 +86,34 @@ class _SchedulerCollector(Collector):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
 
+    @staticmethod
+    def _step_counters(steps: StepCounters, counter: Callable) -> Iterator[Metric]:
+        # Ours (vLLM has no such names): device wait close to the busy time means the device
+        # bounds serving, close to 0 the host does; graph steps against all, how many replay.
+        yield counter("engine_steps", "Model runs launched.", steps.steps)
+        yield counter("engine_step_tokens", "Tokens the model runs computed.", steps.tokens)
+        yield counter(
+            "engine_graph_steps", "Model runs replayed from a CUDA graph.", steps.graph_steps
+        )
+        yield counter("engine_busy_seconds", "Engine thread time in step().", steps.busy_s)
+        yield counter(
+            "engine_device_wait_seconds",
+            "Of that, time waiting for the device's sampled tokens.",
+            steps.device_wait_s,
+        )
+
 
 class ServerMetrics:
     """The metric set of one server. `observe_*` are called on the event loop."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], SchedulerStats | None],
+        counters: Callable[[], StepCounters | None],
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SchedulerCollector(model_name, stats))
+        self.registry.register(_SchedulerCollector(model_name, stats, counters))
         labels = ["model_name"]
 
         def counter(name: str, doc: str) -> Counter:

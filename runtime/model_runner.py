@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,19 @@ class InFlightStep:
     token_ids: torch.Tensor | None  # [S] on the device: inputs of the next step's pending tokens
     host: list[torch.Tensor] | None  # tokens (+ logprobs, top ids, top values) on the host
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU)
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """Cumulative since start, for the server's metrics: whether serving is bound by the host
+    or the device, and how many steps replay a CUDA graph. The runner counts the first four;
+    `LLMEngine.step` adds its own time."""
+
+    steps: int = 0  # model runs launched
+    tokens: int = 0  # the tokens they computed, before padding
+    graph_steps: int = 0  # of those runs, replayed from a CUDA graph
+    device_wait_s: float = 0.0  # host time blocked in `collect`, waiting for sampled tokens
+    busy_s: float = 0.0  # time inside LLMEngine.step (scheduling, launches, waits, outputs)
 
 
 @dataclass(slots=True)
@@ -142,6 +156,7 @@ class ModelRunner:
         # Unseeded rows draw from one engine-wide generator, seeded once for reproducible runs.
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = list(cfg.eos_token_ids)
+        self.counters = StepCounters()
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -203,9 +218,12 @@ class ModelRunner:
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        self.counters.steps += 1
+        self.counters.tokens += input_ids.shape[0]
         if self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, meta)
             if hidden is not None:
+                self.counters.graph_steps += 1
                 return hidden
         dev = self.device
         meta = AttentionMetadata(
@@ -283,7 +301,9 @@ class ModelRunner:
         if not flight.sampling:
             return RunnerOutput({}, {})
         if flight.done is not None:
+            waited = time.perf_counter()
             flight.done.synchronize()
+            self.counters.device_wait_s += time.perf_counter() - waited
         tokens = flight.host[0].tolist()
         sampled = {r.request_id: t for r, t in zip(flight.sampling, tokens, strict=True)}
         logprobs: dict[str, TokenLogprobs] = {}

@@ -156,6 +156,16 @@ def test_main_writes_serve_json_and_render_shows_it(tiny_server, tmp_path):
     # The server's own counters saw the timed requests' tokens, and no preemption.
     assert data["server_counters"]["generation_tokens"] == data["total_output_tokens"]
     assert data["server_counters"]["preemptions"] == 0
+    # Its step counters: every timed token was computed in some step (the prompts' and all but
+    # the last of each output), none from a CUDA graph on the CPU, none waiting for a device.
+    steps = data["server_steps"]
+    computed = data["server_counters"]["step_tokens"]
+    assert computed <= data["total_input_tokens"] + data["total_output_tokens"]
+    assert computed >= data["total_output_tokens"]
+    assert steps["steps"] >= max(r["output_len"] for r in rows)
+    assert steps["graph_step_share"] == 0 and steps["device_wait_share"] == 0
+    assert steps["busy_ms_per_step"] > 0
+    assert steps["tokens_per_step"] == pytest.approx(computed / steps["steps"], abs=0.05)
 
     out = tmp_path / "performance.md"
     assert render.main(["--results-dir", str(tmp_path), "--output", str(out)]) == 0

@@ -179,6 +179,30 @@ def test_metrics_names(http):
     assert metric(http, "generation_tokens_total") > 0
 
 
+def test_step_counters_count_what_a_request_computes(client, http):
+    """Our engine_* counters: a request of P prompt tokens (none cached) that generates N
+    computes P + N - 1 tokens (its last sampled token is never fed back), in at least N steps;
+    on the CPU no step replays a CUDA graph and none waits for a device."""
+    names = ["engine_steps_total", "engine_step_tokens_total", "engine_graph_steps_total"]
+    names += ["engine_busy_seconds_total", "engine_device_wait_seconds_total"]
+    before = {name: metric(http, name) for name in names}
+    prompt = list(range(1000, 1037))  # 37 token ids that no other test sends
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens == 37
+    delta = {name: metric(http, name) - before[name] for name in names}
+    assert delta["engine_step_tokens_total"] == 37 + 7 - 1
+    assert delta["engine_steps_total"] >= 7
+    assert delta["engine_graph_steps_total"] == 0
+    assert delta["engine_device_wait_seconds_total"] == 0
+    assert delta["engine_busy_seconds_total"] > 0
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
