@@ -62,6 +62,28 @@ def is_device_event(name: str, device_type=None) -> bool:
     return device_type is None or device_type == torch.autograd.DeviceType.CUDA
 
 
+def critical_path(intervals: list[tuple[float, float, str]]) -> tuple[dict[str, float], float]:
+    """({kind: time}, idle) of device intervals (start, end, kind) of one window: how far each
+    kind moved the device's finish line, and the time no kernel ran. With programmatic
+    dependent launch a kernel starts before the one ahead of it ends and waits, so its own
+    duration counts time the kernel ahead already counts; here a kernel is charged only for
+    the stretch after every earlier-starting kernel has ended. The kinds and the idle time add
+    up to the window's span (first start to last end)."""
+    advance: dict[str, float] = defaultdict(float)
+    idle = 0.0
+    frontier = None
+    for start, end, kind in sorted(intervals):
+        if frontier is None:
+            frontier = start
+        if start > frontier:
+            idle += start - frontier
+            frontier = start
+        if end > frontier:
+            advance[kind] += end - frontier
+            frontier = end
+    return dict(advance), idle
+
+
 def kernel_table(engine, steps: int, top: int = 30) -> dict:
     """Device time a step by kind of kernel and the top kernels, from torch.profiler over
     `steps` engine steps. Two warm-up steps come first (CUPTI drops the first kernels it sees:
@@ -90,9 +112,22 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
         kinds[kernel_kind(e.key)] += us
         kernels.append((us, e.count / steps, e.key))
     kernels.sort(reverse=True)
+    cuda = torch.autograd.DeviceType.CUDA
+    intervals = [
+        (e.time_range.start, e.time_range.end, kernel_kind(e.name))
+        for e in prof.events()
+        if getattr(e, "device_type", None) == cuda and is_device_event(e.name, cuda)
+    ]
+    advance, idle = critical_path(intervals)
     return {
         "device_us_per_step": round(sum(kinds.values()), 1),
         "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        # The same window charged by critical_path: what each kind adds to the step's device
+        # time once overlaps are taken out, and the time the device ran no kernel.
+        "critical_path_us": {
+            k: round(v / steps, 1) for k, v in sorted(advance.items(), key=lambda kv: -kv[1])
+        },
+        "device_idle_us_per_step": round(idle / steps, 1),
         "top_kernels": [
             {"name": name[:90], "us_per_step": round(us, 1), "calls_per_step": round(calls, 2)}
             for us, calls, name in kernels[:top]
@@ -202,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  device kernels {k['device_us_per_step']:.0f} us a step:")
             for kind, us in k["by_kind_us"].items():
                 print(f"    {kind:<34}{us:8.1f} us")
+            print("  on the critical path (overlaps taken out):")
+            for kind, us in k["critical_path_us"].items():
+                print(f"    {kind:<34}{us:8.1f} us")
+            print(f"    {'device idle (no kernel)':<34}{k['device_idle_us_per_step']:8.1f} us")
             for row in k["top_kernels"]:
                 print(f"    {row['us_per_step']:8.1f} us x{row['calls_per_step']:<6} {row['name']}")
     path = write_result(

@@ -509,6 +509,23 @@ def _breakdown(r: dict) -> list[str]:
         rows = [[kind] + [_fmt(by_kind.get(kind, 0.0)) for by_kind in by_batch] for kind in kinds]
         rows.append(["**all device kernels**"] + [f"**{sum(b.values()):,.1f}**" for b in by_batch])
         lines += _table(header, rows)
+    charged = [x for x in profiled if "critical_path_us" in x["kernels"]]
+    if charged:
+        lines += ["", (
+            "The same steps on the critical path: each kernel charged only for the time after "
+            "every kernel that started before it ended (with programmatic dependent launch a "
+            "kernel starts early and waits, so the durations above overlap), and the time the "
+            "device ran no kernel:"
+        ), ""]  # fmt: skip
+        paths = [x["kernels"]["critical_path_us"] for x in charged]
+        kinds = list(dict.fromkeys(k for path in paths for k in path))
+        header = ["critical path (us a step)"] + [f"batch {x['batch']}" for x in charged]
+        rows = [[kind] + [_fmt(path.get(kind, 0.0)) for path in paths] for kind in kinds]
+        rows.append(
+            ["device idle (no kernel)"]
+            + [_fmt(x["kernels"]["device_idle_us_per_step"]) for x in charged]
+        )
+        lines += _table(header, rows)
     return lines
 
 

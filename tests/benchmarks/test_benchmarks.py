@@ -169,6 +169,55 @@ def test_breakdown_kernel_kinds():
     assert breakdown.kernel_kind("something_else") == "other"
 
 
+def test_breakdown_critical_path_charges_overlaps_once():
+    # A GEMM, an attention kernel launched early (PDL) that waits inside the GEMM's time, a
+    # gap with no kernel, then two kernels side by side.
+    intervals = [
+        (0.0, 10.0, "GEMM"),
+        (8.0, 13.0, "attention"),
+        (15.0, 20.0, "GEMM"),
+        (16.0, 18.0, "copies"),
+        (17.0, 22.0, "attention"),
+    ]
+    advance, idle = breakdown.critical_path(intervals)
+    assert advance == {"GEMM": 15.0, "attention": 5.0}
+    assert idle == 2.0
+    assert sum(advance.values()) + idle == 22.0  # first start to last end
+    assert breakdown.critical_path([]) == ({}, 0.0)
+
+
+def test_render_breakdown_shows_the_critical_path(tmp_path):
+    kernels = {
+        "device_us_per_step": 30.0,
+        "by_kind_us": {"GEMM": 20.0, "attention": 10.0},
+        "critical_path_us": {"GEMM": 18.0, "attention": 4.5},
+        "device_idle_us_per_step": 1.25,
+        "top_kernels": [
+            {"name": "_skinny_gemm_kernel", "us_per_step": 20.0, "calls_per_step": 4.0},
+            {"name": "_paged_attention_kernel", "us_per_step": 10.0, "calls_per_step": 1.0},
+        ],
+    }
+    step = {
+        "batch": 1,
+        "step_ms": 0.03,
+        "phases_ms": {"schedule": 0.01},
+        "model_device_ms": 0.02,
+        "kernels": kernels,
+    }
+    write_result("breakdown", {"settings": {}, "results": [step]}, tmp_path, device="cpu")
+    text = render.render(render.load_results(tmp_path))
+    assert "| critical path (us a step) | batch 1 |" in text
+    assert "| attention | 4.50 |" in text
+    assert "| device idle (no kernel) | 1.25 |" in text
+    # A result from before the critical path was recorded renders without that table.
+    del kernels["critical_path_us"], kernels["device_idle_us_per_step"]
+    for path in tmp_path.glob("*.json"):
+        path.unlink()
+    write_result("breakdown", {"settings": {}, "results": [step]}, tmp_path, device="cpu")
+    text = render.render(render.load_results(tmp_path))
+    assert "critical path" not in text and "| attention | 10.0 |" in text
+
+
 def test_breakdown_counts_device_events_only():
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     assert breakdown.is_device_event("_paged_attention_kernel", cuda)
