@@ -62,26 +62,31 @@ def is_device_event(name: str, device_type=None) -> bool:
     return device_type is None or device_type == torch.autograd.DeviceType.CUDA
 
 
-def critical_path(intervals: list[tuple[float, float, str]]) -> tuple[dict[str, float], float]:
-    """({kind: time}, idle) of device intervals (start, end, kind) of one window: how far each
-    kind moved the device's finish line, and the time no kernel ran. With programmatic
-    dependent launch a kernel starts before the one ahead of it ends and waits, so its own
-    duration counts time the kernel ahead already counts; here a kernel is charged only for
-    the stretch after every earlier-starting kernel has ended. The kinds and the idle time add
-    up to the window's span (first start to last end)."""
+def critical_path(
+    intervals: list[tuple[float, float, str]],
+) -> tuple[dict[str, float], float, dict[tuple[str, str], float]]:
+    """({label: time}, idle, {(label before, label after): idle}) of device intervals (start,
+    end, label) of one window: how far each label's kernels moved the device's finish line, the
+    time no kernel ran, and that idle time by the pair of kernels around each gap. With
+    programmatic dependent launch a kernel starts before the one ahead of it ends and waits,
+    so its own duration counts time the kernel ahead already counts; here a kernel is charged
+    only for the stretch after every earlier-starting kernel has ended. The labels and the
+    idle time add up to the window's span (first start to last end)."""
     advance: dict[str, float] = defaultdict(float)
+    gaps: dict[tuple[str, str], float] = defaultdict(float)
     idle = 0.0
-    frontier = None
-    for start, end, kind in sorted(intervals):
+    frontier, last = None, ""
+    for start, end, label in sorted(intervals):
         if frontier is None:
             frontier = start
         if start > frontier:
             idle += start - frontier
+            gaps[last, label] += start - frontier
             frontier = start
         if end > frontier:
-            advance[kind] += end - frontier
-            frontier = end
-    return dict(advance), idle
+            advance[label] += end - frontier
+            frontier, last = end, label
+    return dict(advance), idle, dict(gaps)
 
 
 def kernel_table(engine, steps: int, top: int = 30) -> dict:
@@ -113,12 +118,19 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
         kernels.append((us, e.count / steps, e.key))
     kernels.sort(reverse=True)
     cuda = torch.autograd.DeviceType.CUDA
-    intervals = [
-        (e.time_range.start, e.time_range.end, kernel_kind(e.name))
+    events = [
+        e
         for e in prof.events()
         if getattr(e, "device_type", None) == cuda and is_device_event(e.name, cuda)
     ]
-    advance, idle = critical_path(intervals)
+    advance, idle, _ = critical_path(
+        [(e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in events]
+    )
+    # Where the device waits for the host: idle time by the kernels on either side of a gap.
+    _, _, gaps = critical_path(
+        [(e.time_range.start, e.time_range.end, e.name[:60]) for e in events]
+    )
+    top_gaps = sorted(gaps.items(), key=lambda kv: -kv[1])[:8]
     return {
         "device_us_per_step": round(sum(kinds.values()), 1),
         "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
@@ -128,6 +140,10 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
             k: round(v / steps, 1) for k, v in sorted(advance.items(), key=lambda kv: -kv[1])
         },
         "device_idle_us_per_step": round(idle / steps, 1),
+        "idle_gaps": [
+            {"after": before, "before": after, "us_per_step": round(us / steps, 1)}
+            for (before, after), us in top_gaps
+        ],
         "top_kernels": [
             {"name": name[:90], "us_per_step": round(us, 1), "calls_per_step": round(calls, 2)}
             for us, calls, name in kernels[:top]
@@ -241,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind, us in k["critical_path_us"].items():
                 print(f"    {kind:<34}{us:8.1f} us")
             print(f"    {'device idle (no kernel)':<34}{k['device_idle_us_per_step']:8.1f} us")
+            for gap in k["idle_gaps"]:
+                print(f"      {gap['us_per_step']:8.1f} us  {gap['after']} -> {gap['before']}")
             for row in k["top_kernels"]:
                 print(f"    {row['us_per_step']:8.1f} us x{row['calls_per_step']:<6} {row['name']}")
     path = write_result(

@@ -179,11 +179,12 @@ def test_breakdown_critical_path_charges_overlaps_once():
         (16.0, 18.0, "copies"),
         (17.0, 22.0, "attention"),
     ]
-    advance, idle = breakdown.critical_path(intervals)
+    advance, idle, gaps = breakdown.critical_path(intervals)
     assert advance == {"GEMM": 15.0, "attention": 5.0}
     assert idle == 2.0
+    assert gaps == {("attention", "GEMM"): 2.0}  # the kernel that ended last, the next to start
     assert sum(advance.values()) + idle == 22.0  # first start to last end
-    assert breakdown.critical_path([]) == ({}, 0.0)
+    assert breakdown.critical_path([]) == ({}, 0.0, {})
 
 
 def test_render_breakdown_shows_the_critical_path(tmp_path):
