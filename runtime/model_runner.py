@@ -20,7 +20,6 @@ from models.layers import AttentionMetadata
 from models.loader import LoadedModel
 from runtime.sampler import Sampler, SamplingBatch
 from runtime.scheduler import PENDING_TOKEN, SchedulerOutput
-from runtime.transfer import host_tensor, to_device
 
 log = logging.getLogger(__name__)
 
@@ -205,16 +204,15 @@ class ModelRunner:
             for i, it in enumerate(scheduled)
             if it.new_token_ids[-1] == PENDING_TOKEN
         ]
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=host_tensor(slots, dev),
-            block_tables=host_tensor(tables, dev),
-            seq_lens=host_tensor(seq_lens, dev),
-            query_start_loc=host_tensor(starts, dev),
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(tables),
+            seq_lens=torch.from_numpy(seq_lens),
+            query_start_loc=torch.from_numpy(starts),
         )
-        # Host tensors (pinned for a GPU: runtime/transfer.py): the graph runner copies them.
+        # Host tensors: the graph runner copies them itself.
         return PreparedInputs(
-            host_tensor(ids, dev), host_tensor(positions, dev), meta, sample_rows, pending
+            torch.from_numpy(ids), torch.from_numpy(positions), meta, sample_rows, pending
         )
 
     def _run_model(
@@ -254,7 +252,9 @@ class ModelRunner:
             ) from None
         dst = torch.tensor([pos for pos, _ in inputs.pending], dtype=torch.int64)
         src_rows = torch.tensor(src, dtype=torch.int64)
-        ids[to_device(dst, self.device)] = previous.token_ids[to_device(src_rows, self.device)]
+        ids[dst.to(self.device, non_blocking=True)] = previous.token_ids[
+            src_rows.to(self.device, non_blocking=True)
+        ]
         return ids
 
     @torch.inference_mode()
@@ -270,7 +270,7 @@ class ModelRunner:
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
             return InFlightStep(step, [], None, None, None)
-        rows = to_device(torch.from_numpy(inputs.sample_rows), self.device)
+        rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from runtime.sampling_params import SamplingParams
-from runtime.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -97,10 +96,10 @@ class SamplingBatch:
         sampled = [p for p in params if not p.greedy]
 
         def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)
+            return _to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)
 
         def index(values: list[int]) -> torch.Tensor | None:
-            return to_device(torch.tensor(values, dtype=torch.long), device) if values else None
+            return _to_device(torch.tensor(values, dtype=torch.long), device) if values else None
 
         top_k = top_p = min_p = None
         if any(0 < p.top_k < vocab_size for p in sampled):
@@ -146,7 +145,7 @@ class SamplingBatch:
             num_rows=num_rows,
             vocab_size=vocab_size,
             all_greedy=all(greedy_rows),
-            greedy=to_device(torch.tensor(greedy_rows, dtype=torch.bool), device),
+            greedy=_to_device(torch.tensor(greedy_rows, dtype=torch.bool), device),
             temperature=column([p.temperature if not p.greedy else 1.0 for p in params]),
             top_k=top_k,
             top_p=top_p,
@@ -302,7 +301,7 @@ def _count_tokens(
     """[S, V] float32 occurrence counts, built with one padded copy and one scatter_add."""
     width = max((len(ids) for ids in token_ids), default=0)
     # Pad with an extra "vocab_size" column that swallows the padding and is dropped after.
-    padded = to_device(
+    padded = _to_device(
         torch.tensor(
             [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids], dtype=torch.long
         ),
@@ -311,3 +310,9 @@ def _count_tokens(
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy without waiting: a blocking host-to-device copy synchronises the stream, which
+    would make the host wait for the model step queued before it (async scheduling)."""
+    return host.to(device, non_blocking=True)
