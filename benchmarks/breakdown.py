@@ -126,7 +126,8 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
     advance, idle, _ = critical_path(
         [(e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in events]
     )
-    # Where the device waits for the host: idle time by the kernels on either side of a gap.
+    # The idle time by the kernels on either side of each gap: a late host, or the start-up of
+    # a copy or a graph launch queued in time (docs/compiler.md, item 9 of the dropped list).
     _, _, gaps = critical_path(
         [(e.time_range.start, e.time_range.end, e.name[:60]) for e in events]
     )
