@@ -25,21 +25,21 @@ import torch.nn.functional as F
 from kernels_generated import paged_attention as pa
 
 DEV, DT, LAYERS = "cuda", torch.bfloat16, 32
-H, I, QKV = 4096, 14336, 6144
+HIDDEN, INTER, QKV = 4096, 14336, 6144
 LLAMA8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 
 torch.manual_seed(0)
 weights = [
     (torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5)
-    for n, k in ((QKV, H), (H, H), (2 * I, H), (H, I))
+    for n, k in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
 ]
 batch = pa.make_batch([1] * 256, [640] * 256, dtype=DT, device=DEV, **LLAMA8B)
 attn_args = batch.args(batch.kv_cache)
 
 
 def gemms(rows: int):
-    x = torch.randn(rows, H, device=DEV, dtype=DT)
-    h = torch.randn(rows, I, device=DEV, dtype=DT)
+    x = torch.randn(rows, HIDDEN, device=DEV, dtype=DT)
+    h = torch.randn(rows, INTER, device=DEV, dtype=DT)
     wqkv, wo, wgu, wd = weights
 
     def run():
