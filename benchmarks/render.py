@@ -18,6 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from benchmarks import targets
 from benchmarks.results import DEFAULT_DIRECTORY, FLAT_KEYS, REPO_ROOT
 
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "performance.md"
@@ -34,28 +35,21 @@ LABELS = {
 # Headline rows beyond FLAT_KEYS, read from the runs that carry them.
 EXTRA_LABELS = {"cold_build_s": "cold build / cold start, s"}
 
-# Measured by peers on the same H200 on 2026-11-29, Llama-3-8B shape, bf16 (BRIEF.md, issue 7).
+# Measured by peers on the same H200 on 2026-11-29, Llama-3-8B shape, bf16 (BRIEF.md, issue 7):
+# the wide table's reference columns, from benchmarks/targets.py's numbers plus the start-up
+# rows' wording.
 REFERENCES: dict[str, dict[str, str]] = {
-    "static-cache torch.compile (H200)": {
-        "decode_bs1_tok_s": "199",
-        "decode_bs64_tok_s": "6,572",
-        "decode_bs256_tok_s": "10,629",
+    f"{targets.STATIC} (H200)": {
+        **{k: targets.number(v) for k, v in targets.PEERS[targets.STATIC].items()},
         "startup_ready_s": "104 (compiles every start)",
         "cold_build_s": "104 (every start)",
     },
-    "vLLM 0.26.0 (H200)": {
-        "decode_bs1_tok_s": "204",
-        "decode_bs64_tok_s": "10,250",
-        "decode_bs256_tok_s": "21,428",
-        "offline_output_tok_s": "9,778",
+    f"{targets.VLLM} (H200)": {
+        **{k: targets.number(v) for k, v in targets.PEERS[targets.VLLM].items()},
         "startup_ready_s": "46",
-        "cold_build_s": "162",
     },
     "target (H200)": {
-        "decode_bs1_tok_s": ">= 250",
-        "decode_bs64_tok_s": ">= 13,000",
-        "decode_bs256_tok_s": ">= 30,000",
-        "offline_output_tok_s": ">= 12,500",
+        **{t.key: t.text for t in targets.TARGETS if t.key in FLAT_KEYS and t.bound},
         "startup_ready_s": "<= 10 + weight read",
         "cold_build_s": "<= 90 (build)",
     },
@@ -157,7 +151,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def render(results: list[dict]) -> str:
+def render(results: list[dict], plot_file: str | None = None) -> str:
+    """The page; `plot_file`: the targets plot's file name beside it, if one was written."""
     aliases = artifact_aliases(results)
     groups: dict[tuple[str, str, str, str], list[dict]] = {}
     for r in results:  # oldest first, so later runs overwrite earlier keys below
@@ -174,6 +169,7 @@ def render(results: list[dict]) -> str:
         "`latency-nographs`), that variant; the sections below give each run's model, settings",
         "and versions.",
         "",
+        *targets.table(results, plot_file),
         "## Headline numbers",
         "",
     ]
@@ -814,10 +810,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    text = render(load_results(args.results_dir))
+    results = load_results(args.results_dir)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    plot = targets.plot_svg(results)
+    plot_path = out.with_suffix(".svg")
+    if plot is not None:
+        plot_path.write_text(plot)
+        print(f"wrote {plot_path}")
+    out.write_text(render(results, plot_path.name if plot is not None else None))
     print(f"wrote {out}")
     return 0
 
