@@ -212,7 +212,7 @@ def plot_svg(results: list[dict]) -> str | None:
                 f'fill="{_COLOURS[name]}"><title>{escape(name)}: {number(value)}</title></rect>'
             )
             out.append(
-                f'<text x="{x(pct) + 4:.1f}" y="{y + bar - 4}">{number(value)} ({pct:.0f}%)</text>'
+                f'<text x="{x(pct) + 4:.1f}" y="{y + bar - 4}">{number(value)} ({pct:.1f}%)</text>'
             )
             y += bar
         y += gap
