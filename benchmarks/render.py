@@ -522,6 +522,14 @@ def _breakdown(r: dict) -> list[str]:
             + [_fmt(x["kernels"]["device_idle_us_per_step"]) for x in charged]
         )
         lines += _table(header, rows)
+        for x in charged:
+            gaps = x["kernels"].get("idle_gaps") or []
+            if gaps:
+                lines += ["", f"Batch {x['batch']}'s idle time by the kernels around each gap:", ""]
+                lines += [
+                    f"- {_fmt(g['us_per_step'])} us a step: `{g['after']}` -> `{g['before']}`"
+                    for g in gaps[:5]
+                ]
     return lines
 
 

@@ -193,6 +193,7 @@ def test_render_breakdown_shows_the_critical_path(tmp_path):
         "by_kind_us": {"GEMM": 20.0, "attention": 10.0},
         "critical_path_us": {"GEMM": 18.0, "attention": 4.5},
         "device_idle_us_per_step": 1.25,
+        "idle_gaps": [{"after": "Memcpy HtoD", "before": "triton_red_fused", "us_per_step": 1.25}],
         "top_kernels": [
             {"name": "_skinny_gemm_kernel", "us_per_step": 20.0, "calls_per_step": 4.0},
             {"name": "_paged_attention_kernel", "us_per_step": 10.0, "calls_per_step": 1.0},
@@ -210,8 +211,9 @@ def test_render_breakdown_shows_the_critical_path(tmp_path):
     assert "| critical path (us a step) | batch 1 |" in text
     assert "| attention | 4.50 |" in text
     assert "| device idle (no kernel) | 1.25 |" in text
+    assert "- 1.25 us a step: `Memcpy HtoD` -> `triton_red_fused`" in text
     # A result from before the critical path was recorded renders without that table.
-    del kernels["critical_path_us"], kernels["device_idle_us_per_step"]
+    del kernels["critical_path_us"], kernels["device_idle_us_per_step"], kernels["idle_gaps"]
     for path in tmp_path.glob("*.json"):
         path.unlink()
     write_result("breakdown", {"settings": {}, "results": [step]}, tmp_path, device="cpu")
