@@ -123,15 +123,19 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
         for e in prof.events()
         if getattr(e, "device_type", None) == cuda and is_device_event(e.name, cuda)
     ]
-    advance, idle, _ = critical_path(
-        [(e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in events]
+    # One pass by kernel name: its charges summed by kind below, its idle time by the kernels
+    # on either side of each gap (a late host, or the start-up of a copy or a graph launch
+    # queued in time: docs/compiler.md, item 9 of the dropped list).
+    by_name, idle, gaps = critical_path(
+        [(e.time_range.start, e.time_range.end, e.name) for e in events]
     )
-    # The idle time by the kernels on either side of each gap: a late host, or the start-up of
-    # a copy or a graph launch queued in time (docs/compiler.md, item 9 of the dropped list).
-    _, _, gaps = critical_path(
-        [(e.time_range.start, e.time_range.end, e.name[:60]) for e in events]
-    )
-    top_gaps = sorted(gaps.items(), key=lambda kv: -kv[1])[:8]
+    advance: dict[str, float] = defaultdict(float)
+    for name, us in by_name.items():
+        advance[kernel_kind(name)] += us
+    short: dict[tuple[str, str], float] = defaultdict(float)  # names cut to 60 as printed
+    for (before, after), us in gaps.items():
+        short[before[:60], after[:60]] += us
+    top_gaps = sorted(short.items(), key=lambda kv: -kv[1])[:8]
     return {
         "device_us_per_step": round(sum(kinds.values()), 1),
         "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},

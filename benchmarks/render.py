@@ -19,7 +19,14 @@ import sys
 from pathlib import Path
 
 from benchmarks import targets
-from benchmarks.results import DEFAULT_DIRECTORY, FLAT_KEYS, REPO_ROOT
+from benchmarks.results import (
+    DEFAULT_DIRECTORY,
+    FLAT_KEYS,
+    REPO_ROOT,
+    result_kind,
+    result_model,
+    result_variant,
+)
 
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "performance.md"
 
@@ -73,16 +80,6 @@ def _device(r: dict) -> str:
     return r.get("device", {}).get("name", "?")
 
 
-def _kind(r: dict) -> str:
-    return str(r.get("benchmark") or r.get("name") or "?").replace("-", "_")
-
-
-def _variant(r: dict) -> str:
-    """The run's `--name` when it is not the benchmark's own (latency-nographs), else ''."""
-    name = str(r.get("name") or "")
-    return name if name and name.replace("-", "_") != _kind(r) else ""
-
-
 def _option(r: dict, flag: str) -> str | None:
     command = r.get("command", "")
     args = command if isinstance(command, list) else shlex.split(str(command))
@@ -98,7 +95,7 @@ def artifact_aliases(results: list[dict]) -> dict[tuple[str, str, str], str]:
     """(device, commit, artifact name) -> the model it was built from, read off startup runs."""
     aliases = {}
     for r in results:
-        out = _option(r, "--out") if _kind(r) == "startup" else None
+        out = _option(r, "--out") if result_kind(r) == "startup" else None
         if out and r.get("model"):
             aliases[_device(r), _commit(r), Path(out).name] = Path(str(r["model"])).name
     return aliases
@@ -107,17 +104,9 @@ def artifact_aliases(results: list[dict]) -> dict[tuple[str, str, str], str]:
 def _group_key(r: dict, aliases: dict | None = None) -> tuple[str, str, str, str]:
     """(device, commit, model, variant): numbers of different models never share a column."""
     dev, commit = _device(r), _commit(r)
-    model = _model_name(r) if "model" in r else "no model (op benchmark)"
+    model = result_model(r) if "model" in r else "no model (op benchmark)"
     model = (aliases or {}).get((dev, commit, model), model)
-    return dev, commit, model, _variant(r)
-
-
-def _model_name(r: dict) -> str:
-    """A path's last part; a model section (a dict, as in `bench mla`) names its preset."""
-    model = r["model"]
-    if isinstance(model, dict):
-        return str(model.get("preset") or model.get("name") or "model")
-    return Path(str(model)).name
+    return dev, commit, model, result_variant(r)
 
 
 def _title(key: tuple[str, str, str, str]) -> str:
@@ -270,7 +259,7 @@ def _gpu_cell(g: dict) -> str:
 
 
 def _details(r: dict) -> list[str]:
-    kind = _kind(r)
+    kind = result_kind(r)
     lines = [f"### {kind} (`{r['_file']}`)", "", _model_line(r), ""]
     if engine := _engine_line(r):
         lines += [engine, ""]

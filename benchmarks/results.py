@@ -185,6 +185,28 @@ def write_result(
     return path
 
 
+def result_kind(r: dict) -> str:
+    """The benchmark a result is from (`latency`, `serve`, ...), dashes as underscores."""
+    return str(r.get("benchmark") or r.get("name") or "?").replace("-", "_")
+
+
+def result_variant(r: dict) -> str:
+    """The run's `--name` when it is not the benchmark's own (latency-nographs), else ''."""
+    name = str(r.get("name") or "")
+    return name if name and name.replace("-", "_") != result_kind(r) else ""
+
+
+def result_model(r: dict) -> str:
+    """The model's name: a path's last part; a model section (a dict, as in `bench mla`)
+    names its preset; '' for a result with no model (an op benchmark)."""
+    model = r.get("model")
+    if not model:
+        return ""
+    if isinstance(model, dict):
+        return str(model.get("preset") or model.get("name") or "model")
+    return Path(str(model)).name
+
+
 def print_table(rows: list[tuple[str, object]], title: str | None = None) -> None:
     """The short two-column table every benchmark prints."""
     if title:

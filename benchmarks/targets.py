@@ -10,8 +10,9 @@ ones BRIEF.md records (same H200 model, 2026-11-29).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from xml.sax.saxutils import escape
+
+from benchmarks.results import result_kind, result_model, result_variant
 
 # The peers, measured on the H200 with Llama-3-8B-shaped random bf16 weights (BRIEF.md).
 VLLM = "vLLM 0.26.0"
@@ -85,11 +86,6 @@ def _on_h200(run: dict) -> bool:
     return "H200" in str(device.get("name", "")) if isinstance(device, dict) else False
 
 
-def _model(run: dict) -> str:
-    model = run.get("model")
-    return Path(str(model)).name if model and not isinstance(model, dict) else ""
-
-
 def comparable_runs(results: list[dict]) -> list[dict]:
     """H200 runs of no named variant on the model that the newest H200 run with a
     Llama-3-8B-shaped `model_config` used (the runs that record no config, serve and startup,
@@ -97,15 +93,10 @@ def comparable_runs(results: list[dict]) -> list[dict]:
     shaped = [r for r in results if _on_h200(r) and is_llama3_8b_shape(r)]
     if not shaped:
         return []
-    model = _model(max(shaped, key=lambda r: str(r.get("timestamp", ""))))
-
-    def plain(r: dict) -> bool:
-        name = str(r.get("name") or "")
-        return not name or name.replace("-", "_") == str(r.get("benchmark") or name).replace(
-            "-", "_"
-        )
-
-    runs = [r for r in results if _on_h200(r) and _model(r) == model and plain(r)]
+    model = result_model(max(shaped, key=lambda r: str(r.get("timestamp", ""))))
+    runs = [
+        r for r in results if _on_h200(r) and result_model(r) == model and not result_variant(r)
+    ]
     return sorted(runs, key=lambda r: str(r.get("timestamp", "")))
 
 
@@ -121,8 +112,7 @@ def latest(results: list[dict]) -> dict[str, tuple[float, dict]]:
 
 
 def _run_name(run: dict) -> str:
-    kind = str(run.get("benchmark") or run.get("name") or "?")
-    return f"{kind} @ `{run.get('commit', '?')}`"
+    return f"{result_kind(run)} @ `{run.get('commit', '?')}`"
 
 
 def table(results: list[dict], plot_file: str | None) -> list[str]:
