@@ -58,6 +58,24 @@ class InFlightStep:
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU)
 
 
+def _all_pending_in_order(inputs: PreparedInputs, previous: InFlightStep | None) -> bool:
+    """Whether every token of the step is pending and token i is the i-th sample of the step
+    in flight: then the step's ids are that step's sampled tokens, row for row."""
+    if previous is None or previous.token_ids is None:
+        return False
+    if previous.token_ids.dtype != inputs.input_ids.dtype:
+        return False
+    n = inputs.input_ids.shape[0]
+    if len(inputs.pending) != n or len(previous.sampling) != n:
+        return False
+    return all(
+        pos == i and request.request_id == rid
+        for i, ((pos, rid), request) in enumerate(
+            zip(inputs.pending, previous.sampling, strict=True)
+        )
+    )
+
+
 @dataclass(slots=True)
 class StepCounters:
     """Cumulative since start, for the server's metrics: whether serving is bound by the host
@@ -238,6 +256,11 @@ class ModelRunner:
     def _input_ids(self, inputs: PreparedInputs, previous: InFlightStep | None) -> torch.Tensor:
         """The step's token ids on the device, pending ones read from the previous step's
         sampled tokens there: the host never waits for them."""
+        if inputs.pending and _all_pending_in_order(inputs, previous):
+            # A decode step of exactly the requests the step ahead sampled, in its row order:
+            # its ids are that step's tokens as they are, with no index copies or gathers (each
+            # a separate device operation between two steps' graphs).
+            return previous.token_ids
         ids = inputs.input_ids.to(self.device, non_blocking=True)
         if not inputs.pending:
             return ids
@@ -270,8 +293,11 @@ class ModelRunner:
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
             return InFlightStep(step, [], None, None, None)
-        rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows])
+        if len(inputs.sample_rows) == hidden.shape[0]:
+            logits = self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
+        else:
+            rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],
             [r.prompt_token_ids for r in sampling],

@@ -113,3 +113,34 @@ def test_abort_while_its_step_is_in_flight(tiny_dir):
     assert len(finished["y"]) == 8
     assert engine.stats().kv_cache_usage == 0.0
     engine.scheduler.check_integrity()
+
+
+def test_decode_steps_take_the_step_aheads_tokens_as_they_are(tiny_dir):
+    # Pure decode steps of the requests the step ahead sampled, in its order, feed its token
+    # tensor straight in (no index copies); the tokens are those of synchronous stepping.
+    directory, vocab = tiny_dir
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(9)] for _ in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i) for i in range(5)]
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(
+            str(directory), dtype="float32", target="cpu", enforce_eager=True,
+            async_scheduling=overlap,
+        )  # fmt: skip
+        runner = llm.engine.runner
+        taken, original = [], runner._input_ids
+
+        def spy(inputs, previous, original=original, taken=taken):
+            ids = original(inputs, previous)
+            taken.append(previous is not None and ids is previous.token_ids)
+            return ids
+
+        runner._input_ids = spy
+        outs = llm.generate(prompts, params)
+        runs[overlap] = ([o.outputs[0].token_ids for o in outs], taken)
+    (sync_tokens, sync_taken), (tokens, taken) = runs[False], runs[True]
+    assert tokens == sync_tokens
+    assert not any(sync_taken)  # nothing pending without a step in flight
+    # Every decode step until the first request finishes, and again among the rest.
+    assert sum(taken) >= 10, taken
