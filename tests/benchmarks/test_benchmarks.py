@@ -337,11 +337,17 @@ def test_render_markdown(tmp_path):
     assert cli.main(["render", "--results-dir", str(results), "--output", str(out)]) == 0
     text = out.read_text()
     assert text.startswith("# Performance")
-    assert "| decode batch 1, tok/s | 260.0 |" in text
-    assert "vLLM 0.26.0 (H200)" in text and "21,428" in text
+    # The headline table: a row a run, a column a metric, the peers' rows last.
+    header, *rows = render.headline(render.load_results(results))
+    assert header[1:] == [render.LABELS[k] for k in FLAT_KEYS] + ["cold build / cold start, s"]
+    ours, *peers = rows
+    assert ours[0].endswith(", llama3-8b") and ours[1] == "260.0"
+    assert set(ours[2:]) == {"—"}  # this run carries no other headline number
+    vllm = dict(zip(header, next(p for p in peers if p[0] == "vLLM 0.26.0 (H200)"), strict=True))
+    assert vllm[render.LABELS["decode_bs256_tok_s"]] == "21,428"
+    assert "| " + " | ".join(ours) + " |" in text
+    assert "| " + " | ".join(header) + " |" in text
     assert "## Commands" in text
-    for key in FLAT_KEYS:
-        assert render.LABELS[key] in text
 
 
 def test_cli_rejects_unknown_command(capsys):
