@@ -5,9 +5,8 @@ one headline row per (device, commit, model, variant), merging the runs of that 
 latest run wins a key both wrote), above the peers' numbers that BRIEF.md records for the H200,
 then per-run details and the exact command of each run. A run written under a custom `--name`
 (e.g. `latency-nographs`) is a variant with its own row, so a graphs-off run never overwrites
-the graphs-on numbers. An artifact that a
-startup run built (`--out DIR`) counts as the model it was built from, so runs that loaded it
-share that model's column.
+the graphs-on numbers. An artifact that a startup run built (`--out DIR`) counts as the model it
+was built from, so runs that loaded it share that model's row.
 """
 
 from __future__ import annotations
