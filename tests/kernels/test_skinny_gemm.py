@@ -181,6 +181,24 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
 
 
 @interpreted
+@pytest.mark.parametrize("per_sm", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_interpreted_fused_norm_with_ragged_rows(rows, per_sm):
+    # The plain fused launch with the weight rows shared out evenly among per_sm x 8 programs
+    # (the interpreter's SM count; 40 rows: 5 or 2-3 a program), as the gemm-norm sweep tries
+    # it for qkv: the same output and residual sum as the reference.
+    x, w = _inputs(rows, 40, 64, torch.float32)
+    residual, norm_weight = _norm_inputs(rows, 64, torch.float32)
+    got, summed = k.add_rms_norm_gemm(
+        x, residual, norm_weight, 1e-5, w, mode="swap", block_m=16, block_n=8, block_k=32,
+        programs_per_sm=per_sm,
+    )  # fmt: skip
+    want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w, False)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@interpreted
 @pytest.mark.parametrize("gated", [False, True])
 def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, gated):
     # Fused where the nearest entry of this weight has a `fused` record for the launch kind
