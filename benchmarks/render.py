@@ -154,10 +154,14 @@ def headline(results: list[dict]) -> list[list[str]]:
     wins a key both wrote), a column a metric, the peers' rows last. (One column a run had
     grown past 60.) Groups with no headline number (kv waste, kernel benchmarks) are detailed
     below it only."""
+    return _headline(_groups(results))
+
+
+def _headline(groups: dict[tuple[str, str, str, str], list[dict]]) -> list[list[str]]:
     keys = [*FLAT_KEYS, *EXTRA_LABELS]
     labels = {**LABELS, **EXTRA_LABELS}
     rows = [["run"] + [labels[k] for k in keys]]
-    for group, runs in _groups(results).items():
+    for group, runs in groups.items():
         values: dict = {}
         for r in runs:
             values.update({k: r[k] for k in keys if k in r})
@@ -170,7 +174,7 @@ def headline(results: list[dict]) -> list[list[str]]:
 def render(results: list[dict], plot_file: str | None = None) -> str:
     """The page; `plot_file`: the targets plot's file name beside it, if one was written."""
     groups = _groups(results)
-    header, *rows = headline(results)
+    header, *rows = _headline(groups)
     lines = [
         "# Performance",
         "",
