@@ -13,10 +13,15 @@ finish before it touches memory, so launch and set-up overlap the kernel ahead. 
 process (pdl_settings), so inside a CUDA graph it is fixed at capture. With gate_up and down
 on the skinny GEMM at <= 16 rows too (kernels_generated/configs/skinny_gemm.json), every
 kernel of a batch-1 layer but Inductor's fused norms is a dependent.
-Two variants stay behind settings for experiments, both measured as losses: releasing the next
-kernel at once (griddepcontrol.launch_dependents right after the wait; COMPILE_ENGINE_PDL_TRIGGER
-=1) and, before the wait, prefetching the skinny GEMM's weight into L2 (weights up to
-COMPILE_ENGINE_PDL_PREFETCH_MB MiB; 0, the default, none).
+Variants stay behind settings for experiments: releasing the next kernel at once
+(griddepcontrol.launch_dependents right after the wait; COMPILE_ENGINE_PDL_TRIGGER=1) and,
+before the wait, prefetching the skinny GEMM's weight into L2 (weights up to
+COMPILE_ENGINE_PDL_PREFETCH_MB MiB; 0, the default, none), both measured as losses; and, not yet
+measured, releasing the next kernel late (COMPILE_ENGINE_PDL_TRIGGER=late: after a kernel's main
+loop, before its epilogue, so the next kernel's programs take each SM as this one's leave it
+instead of after the whole grid has ended) and prefetching only the first
+COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of each program's weight slice before the wait (any
+weight size; 0, the default, none), so its first loads hit L2 when the wait ends.
 Measured on the H200 (`bench latency`, variants alternating in one call; docs/compiler.md
 section 6): at 57cd701 (Inductor's PDL off) ours with gate_up and down on the skinny GEMM 232.0
 / 232.2 tok/s at batch 1 against 228.8 / 229.3 off and 228.6 / 229.2 ours with those two on
@@ -50,6 +55,11 @@ def sm_count(device: torch.device) -> int:
 PDL_ENV = "COMPILE_ENGINE_PDL"  # 0: off
 PDL_PREFETCH_ENV = "COMPILE_ENGINE_PDL_PREFETCH_MB"  # largest weight a GEMM prefetches; 0: none
 PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # 1: release the next kernel right after the wait
+# (late: after the main loop)
+PDL_PREFETCH_TILES_ENV = "COMPILE_ENGINE_PDL_PREFETCH_TILES"  # leading K-tiles into L2; 0: none
+# pdl_mode's values: the PDL constexpr of our kernels.
+PDL_OFF, PDL_WAIT, PDL_RELEASE_AT_ONCE, PDL_RELEASE_LATE = 0, 1, 2, 3
+_TRIGGERS = {"": PDL_WAIT, "0": PDL_WAIT, "1": PDL_RELEASE_AT_ONCE, "late": PDL_RELEASE_LATE}
 # Launches of more tokens stay plain: measured at batch 64 and 256 (9f6b2fa), ours within the
 # spread of off (13,411 against 13,455 and 29,608 against 29,592 tok/s, one run each).
 PDL_MAX_ROWS = 16
@@ -64,17 +74,28 @@ def env_switch(name: str, default: bool, error: type[Exception] = ValueError) ->
     return default if value == "" else value == "1"
 
 
+def _whole_number(name: str, what: str) -> int:
+    value = os.environ.get(name, "").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: want a whole number of {what} (0: none)")
+    return int(value)
+
+
 @functools.cache
-def pdl_settings() -> tuple[bool, bool, int]:
-    """(on, release the next kernel at once, prefetch limit in bytes) from the environment,
-    read once per process, not at every launch (`pdl_settings.cache_clear()` re-reads it)."""
-    prefetch_mb = os.environ.get(PDL_PREFETCH_ENV, "").strip() or "0"
-    if not prefetch_mb.isdigit():
-        raise ValueError(
-            f"{PDL_PREFETCH_ENV}={prefetch_mb!r}: want a whole number of MiB (0: none)"
-        )
+def pdl_settings() -> tuple[bool, int, int, int]:
+    """(on, a dependent's PDL mode, prefetch limit in bytes, leading tiles to prefetch) from
+    the environment, read once per process, not at every launch (`pdl_settings.cache_clear()`
+    re-reads it)."""
+    prefetch_mb = _whole_number(PDL_PREFETCH_ENV, "MiB")
+    tiles = _whole_number(PDL_PREFETCH_TILES_ENV, "K-tiles")
     on = env_switch(PDL_ENV, default=True)
-    return on, env_switch(PDL_TRIGGER_ENV, default=False), int(prefetch_mb) << 20
+    trigger = os.environ.get(PDL_TRIGGER_ENV, "").strip()
+    if trigger not in _TRIGGERS:
+        raise ValueError(
+            f"{PDL_TRIGGER_ENV}={trigger!r}: set it to 0 (release the next kernel when this one"
+            " ends), 1 (at once) or late (after the main loop)"
+        )
+    return on, _TRIGGERS[trigger], prefetch_mb << 20, tiles
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -86,17 +107,24 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def pdl_mode(device: torch.device, rows: int) -> int:
-    """A kernel's PDL constexpr for a launch of `rows` tokens: 0 a plain launch, 1 a PDL
-    dependent that waits for the kernel ahead, 2 one that then releases the next kernel at
-    once (COMPILE_ENGINE_PDL_TRIGGER=1)."""
+    """A kernel's PDL constexpr for a launch of `rows` tokens: PDL_OFF (0) a plain launch,
+    PDL_WAIT (1) a PDL dependent that waits for the kernel ahead, PDL_RELEASE_AT_ONCE (2) one
+    that then releases the next kernel at once (COMPILE_ENGINE_PDL_TRIGGER=1),
+    PDL_RELEASE_LATE (3) one that releases it after its main loop (=late)."""
     if rows > PDL_MAX_ROWS or not pdl_enabled(device):
-        return 0
-    return 2 if pdl_settings()[1] else 1
+        return PDL_OFF
+    return pdl_settings()[1]
 
 
 def pdl_prefetch_bytes() -> int:
     """The largest weight a PDL-launched skinny GEMM prefetches into L2 before it waits."""
     return pdl_settings()[2]
+
+
+def pdl_prefetch_tiles() -> int:
+    """How many leading K-tiles of its weight slice a PDL-launched skinny GEMM program
+    prefetches into L2 before it waits (0: none)."""
+    return pdl_settings()[3]
 
 
 def pdl_launch(enabled: bool) -> dict:
