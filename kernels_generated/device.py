@@ -21,7 +21,10 @@ measured, releasing the next kernel late (COMPILE_ENGINE_PDL_TRIGGER=late: after
 loop, before its epilogue, so the next kernel's programs take each SM as this one's leave it
 instead of after the whole grid has ended) and prefetching only the first
 COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of each program's weight slice before the wait (any
-weight size; 0, the default, none), so its first loads hit L2 when the wait ends.
+weight size; 0, the default, none), so its first loads hit L2 when the wait ends. The attention
+kernel's release can be set apart (COMPILE_ENGINE_PDL_TRIGGER_ATTENTION, the same values): at
+batch 1 it runs ~7.8 us on a few SMs, so released at once, the o_proj GEMM after it could take
+the idle SMs and stream its weight into L2 (COMPILE_ENGINE_PDL_PREFETCH_MB=36) in that time.
 Measured on the H200 (`bench latency`, variants alternating in one call; docs/compiler.md
 section 6): at 57cd701 (Inductor's PDL off) ours with gate_up and down on the skinny GEMM 232.0
 / 232.2 tok/s at batch 1 against 228.8 / 229.3 off and 228.6 / 229.2 ours with those two on
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -56,10 +60,11 @@ PDL_ENV = "COMPILE_ENGINE_PDL"  # 0: off
 PDL_PREFETCH_ENV = "COMPILE_ENGINE_PDL_PREFETCH_MB"  # largest weight a GEMM prefetches; 0: none
 PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # 1: release the next kernel right after the wait
 # (late: after the main loop)
+PDL_ATTENTION_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER_ATTENTION"  # the same for attention alone
 PDL_PREFETCH_TILES_ENV = "COMPILE_ENGINE_PDL_PREFETCH_TILES"  # leading K-tiles into L2; 0: none
 # pdl_mode's values: the PDL constexpr of our kernels.
 PDL_OFF, PDL_WAIT, PDL_RELEASE_AT_ONCE, PDL_RELEASE_LATE = 0, 1, 2, 3
-_TRIGGERS = {"": PDL_WAIT, "0": PDL_WAIT, "1": PDL_RELEASE_AT_ONCE, "late": PDL_RELEASE_LATE}
+_TRIGGERS = {"0": PDL_WAIT, "1": PDL_RELEASE_AT_ONCE, "late": PDL_RELEASE_LATE}
 # Launches of more tokens stay plain: measured at batch 64 and 256 (9f6b2fa), ours within the
 # spread of off (13,411 against 13,455 and 29,608 against 29,592 tok/s, one run each).
 PDL_MAX_ROWS = 16
@@ -81,50 +86,70 @@ def _whole_number(name: str, what: str) -> int:
     return int(value)
 
 
-@functools.cache
-def pdl_settings() -> tuple[bool, int, int, int]:
-    """(on, a dependent's PDL mode, prefetch limit in bytes, leading tiles to prefetch) from
-    the environment, read once per process, not at every launch (`pdl_settings.cache_clear()`
-    re-reads it)."""
-    prefetch_mb = _whole_number(PDL_PREFETCH_ENV, "MiB")
-    tiles = _whole_number(PDL_PREFETCH_TILES_ENV, "K-tiles")
-    on = env_switch(PDL_ENV, default=True)
-    trigger = os.environ.get(PDL_TRIGGER_ENV, "").strip()
-    if trigger not in _TRIGGERS:
+class PdlSettings(NamedTuple):
+    on: bool
+    mode: int  # a dependent's PDL constexpr (pdl_mode)
+    attention_mode: int  # the same for the attention kernel
+    prefetch_bytes: int  # the largest weight a skinny GEMM prefetches whole; 0: none
+    prefetch_tiles: int  # else its first K-tiles; 0: none
+
+
+def _trigger(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value not in _TRIGGERS:
         raise ValueError(
-            f"{PDL_TRIGGER_ENV}={trigger!r}: set it to 0 (release the next kernel when this one"
-            " ends), 1 (at once) or late (after the main loop)"
+            f"{name}={value!r}: set it to 0 (release the next kernel when this one ends), "
+            "1 (at once) or late (after the main loop)"
         )
-    return on, _TRIGGERS[trigger], prefetch_mb << 20, tiles
+    return _TRIGGERS[value]
+
+
+@functools.cache
+def pdl_settings() -> PdlSettings:
+    """The PDL settings from the environment, read once per process, not at every launch
+    (`pdl_settings.cache_clear()` re-reads them)."""
+    mode = _trigger(PDL_TRIGGER_ENV, PDL_WAIT)
+    return PdlSettings(
+        on=env_switch(PDL_ENV, default=True),
+        mode=mode,
+        attention_mode=_trigger(PDL_ATTENTION_TRIGGER_ENV, mode),
+        prefetch_bytes=_whole_number(PDL_PREFETCH_ENV, "MiB") << 20,
+        prefetch_tiles=_whole_number(PDL_PREFETCH_TILES_ENV, "K-tiles"),
+    )
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on `device` may use programmatic dependent launch (see above)."""
-    if device.type != "cuda" or not pdl_settings()[0]:
+    if device.type != "cuda" or not pdl_settings().on:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index) >= (9, 0)
 
 
-def pdl_mode(device: torch.device, rows: int) -> int:
+def pdl_mode(device: torch.device, rows: int, attention: bool = False) -> int:
     """A kernel's PDL constexpr for a launch of `rows` tokens: PDL_OFF (0) a plain launch,
     PDL_WAIT (1) a PDL dependent that waits for the kernel ahead, PDL_RELEASE_AT_ONCE (2) one
     that then releases the next kernel at once (COMPILE_ENGINE_PDL_TRIGGER=1),
-    PDL_RELEASE_LATE (3) one that releases it after its main loop (=late)."""
+    PDL_RELEASE_LATE (3) one that releases it after its main loop (=late). The attention
+    kernel may be set apart (COMPILE_ENGINE_PDL_TRIGGER_ATTENTION): at batch 1 it runs on a
+    few SMs, so the o_proj GEMM after it could fill the rest early and prefetch its weight."""
     if rows > PDL_MAX_ROWS or not pdl_enabled(device):
         return PDL_OFF
-    return pdl_settings()[1]
+    settings = pdl_settings()
+    return settings.attention_mode if attention else settings.mode
 
 
 def pdl_prefetch_bytes() -> int:
     """The largest weight a PDL-launched skinny GEMM prefetches into L2 before it waits."""
-    return pdl_settings()[2]
+    return pdl_settings().prefetch_bytes
 
 
 def pdl_prefetch_tiles() -> int:
     """How many leading K-tiles of its weight slice a PDL-launched skinny GEMM program
     prefetches into L2 before it waits (0: none)."""
-    return pdl_settings()[3]
+    return pdl_settings().prefetch_tiles
 
 
 def pdl_launch(enabled: bool) -> dict:

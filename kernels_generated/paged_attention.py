@@ -1068,7 +1068,7 @@ def _launch_single(
     else:
         m_ws = l_ws = acc_ws = counters = out  # never touched by the single-pass kernel
     rotary_ptrs, rotary_consts = _rotary_launch_args(rotary, slot_mapping)
-    pdl = pdl_mode(q.device, num_tokens)
+    pdl = pdl_mode(q.device, num_tokens, attention=True)
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](

@@ -471,17 +471,22 @@ def pdl_env(monkeypatch):
     ("trigger", "mode"), [("0", 1), ("1", 2), ("late", 3)], ids=["exit", "at-once", "late"]
 )
 @pytest.mark.parametrize(("prefetch_mb", "tiles"), [("0", "0"), ("36", "0"), ("0", "2")])
+@pytest.mark.parametrize("attention_trigger", [None, "1"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, tiles, trigger, mode, pdl_env):
+def test_gpu_pdl_chain_gives_the_same_output(
+    rows, attention_trigger, prefetch_mb, tiles, trigger, mode, pdl_env
+):
     # PDL on (the default on sm_90): attention, the skinny GEMMs and silu_and_mul launch as
     # PDL dependents, each waiting for the kernel ahead before it touches memory and
     # releasing the next when it ends, at once (trigger 1) or after its main loop (late); the
-    # o_proj-sized GEMM may prefetch its weight first, or every GEMM its first two K-tiles.
+    # o_proj-sized GEMM may prefetch its weight first, or every GEMM its first two K-tiles;
+    # attention may release the next kernel at once whatever the others do.
     # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     import kernels_generated.paged_attention as pa
     from kernels_generated.device import (
+        PDL_ATTENTION_TRIGGER_ENV,
         PDL_ENV,
         PDL_PREFETCH_ENV,
         PDL_PREFETCH_TILES_ENV,
@@ -510,7 +515,10 @@ def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, tiles, trigger, 
     pdl_env(PDL_PREFETCH_ENV, prefetch_mb)
     pdl_env(PDL_PREFETCH_TILES_ENV, tiles)
     pdl_env(PDL_TRIGGER_ENV, trigger)
+    pdl_env(PDL_ATTENTION_TRIGGER_ENV, attention_trigger)
     assert pdl_mode(torch.device("cuda"), rows) == mode
+    attention_mode = mode if attention_trigger is None else 2
+    assert pdl_mode(torch.device("cuda"), rows, attention=True) == attention_mode
     assert torch.equal(layer(), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -585,7 +593,7 @@ def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
     # setting is an error.
     import kernels_generated.device as dev
 
-    for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV):
+    for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV, dev.PDL_ATTENTION_TRIGGER_ENV):
         pdl_env(name, None)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
@@ -603,6 +611,16 @@ def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
         dev.pdl_mode(cuda, 1)
     pdl_env(dev.PDL_TRIGGER_ENV, "0")
     assert dev.pdl_mode(cuda, 1) == dev.PDL_WAIT == 1
+    # Attention follows the others unless set apart.
+    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_WAIT
+    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, "1")
+    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_RELEASE_AT_ONCE
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_WAIT
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1, attention=True) == dev.PDL_OFF
+    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, "soon")
+    with pytest.raises(ValueError, match="COMPILE_ENGINE_PDL_TRIGGER_ATTENTION='soon'"):
+        dev.pdl_mode(cuda, 1)
+    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, None)
     pdl_env(dev.PDL_ENV, "0")
     assert dev.pdl_mode(cuda, 1) == 0
     pdl_env(dev.PDL_ENV, "on")
