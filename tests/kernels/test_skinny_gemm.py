@@ -478,7 +478,8 @@ def test_gpu_pdl_chain_gives_the_same_output(
 ):
     # PDL on (the default on sm_90): attention, the skinny GEMMs and silu_and_mul launch as
     # PDL dependents, each waiting for the kernel ahead before it touches memory and
-    # releasing the next when it ends, at once (trigger 1) or after its main loop (late); the
+    # releasing the next after its main loop (late, the default), when it ends (0) or at once
+    # (1); the
     # o_proj-sized GEMM may prefetch its weight first, or every GEMM its first two K-tiles;
     # attention may release the next kernel at once whatever the others do.
     # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
@@ -587,18 +588,19 @@ def test_pdl_prefetch_constexpr_whole_slice_leading_tiles_or_none(monkeypatch, p
 
 
 def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
-    # On by default for sm_90+ CUDA devices and launches of at most PDL_MAX_ROWS tokens, never
-    # on CPU or older GPUs; COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1
-    # makes it release the next kernel at once and =late after the main loop; any other
-    # setting is an error.
+    # On by default for sm_90+ CUDA devices and launches of at most PDL_MAX_ROWS tokens,
+    # releasing the next kernel after the main loop; never on CPU or older GPUs;
+    # COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1 makes it release the next
+    # kernel at once and =0 when the kernel ends; any other setting is an error.
     import kernels_generated.device as dev
 
     for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV, dev.PDL_ATTENTION_TRIGGER_ENV):
         pdl_env(name, None)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
-    assert dev.pdl_mode(cuda, 1) == 1
-    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == 1
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_LATE == 3
+    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_RELEASE_LATE
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == dev.PDL_RELEASE_LATE
     assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
     assert dev.pdl_mode(torch.device("cpu"), 1) == 0
     pdl_env(dev.PDL_TRIGGER_ENV, "1")
