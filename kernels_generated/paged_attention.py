@@ -434,11 +434,12 @@ def _paged_attention_kernel(
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
     ROT_DIM: tl.constexpr = 0,  # the rotary's width (ROTARY only)
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
-    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
+    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
+    # it after the key loops (device.py)
 ):
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
-    if PDL > 1:
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
@@ -547,6 +548,8 @@ def _paged_attention_kernel(
         stride_cs, False, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
         ROT_DIM, ROTARY,
     )  # fmt: skip
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     if own:
         s_own = tl.sum(q.to(tl.float32) * k_row.to(tl.float32)[None, :], 1) * qk_scale
         m_new = tl.maximum(m_i, s_own)
@@ -1065,7 +1068,7 @@ def _launch_single(
     else:
         m_ws = l_ws = acc_ws = counters = out  # never touched by the single-pass kernel
     rotary_ptrs, rotary_consts = _rotary_launch_args(rotary, slot_mapping)
-    pdl = pdl_mode(q.device, num_tokens)
+    pdl = pdl_mode(q.device, num_tokens, attention=True)
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](

@@ -60,11 +60,12 @@ def _silu_and_mul_kernel(
     stride_xt,
     stride_ot,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
+    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
+    # it after the loads (device.py)
 ):
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
-    if PDL > 1:
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -72,6 +73,8 @@ def _silu_and_mul_kernel(
     row = x_ptr + token * stride_xt
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + inter + cols, mask=mask, other=0.0)
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     g = gate.to(tl.float32)
     activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded as the reference
     out = activated.to(tl.float32) * up.to(tl.float32)

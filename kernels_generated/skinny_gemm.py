@@ -77,6 +77,7 @@ from kernels_generated.device import (
     pdl_launch,
     pdl_mode,
     pdl_prefetch_bytes,
+    pdl_prefetch_tiles,
     sm_count,
 )
 from models.ops import add_rms_norm_ref, silu_and_mul_ref
@@ -127,8 +128,10 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr,  # 0 dot [BM, BN], 1 swapped dot [BN, BM], 2 fma [BN, BM]
     EVEN_K: tl.constexpr,  # K == split_k * k_tiles * BLOCK_K: no K mask
     RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
-    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next (device.py)
-    PREFETCH: tl.constexpr = False,  # PDL only: stream this program's w into L2 before waiting
+    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
+    # it after the weight loop (device.py)
+    PREFETCH: tl.constexpr = 0,  # PDL only: this program's w into L2 before waiting; -1 all of
+    # its slice, n > 0 its first n K-tiles
     NORM: tl.constexpr = 0,  # x := rms_norm(x + residual) * g on the fly: 1 two passes, 2 one
     GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
 ):
@@ -152,13 +155,15 @@ def _skinny_gemm_kernel(
     # the H200: 2-3 TB/s at M = 1, 0.5 TB/s at M = 256).
     k_start = pid_k * k_tiles * BLOCK_K
     mask_m = offs_m < M
-    if PREFETCH:
+    if PREFETCH != 0:
         # The weight does not depend on the kernel before (attention, for o_proj): stream this
-        # program's slice into L2 while that kernel finishes, then wait for its output. One
-        # prefetch a 128-byte line (64 half-precision elements); rows past N re-fetch row 0.
+        # program's slice (or its first tiles) into L2 while that kernel finishes, then wait
+        # for its output. One prefetch a 128-byte line (64 half-precision elements); rows past
+        # N re-fetch row 0.
         rows = tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn
         lines = k_start + tl.arange(0, BLOCK_K // 64) * 64
-        for k in range(0, k_tiles * BLOCK_K, BLOCK_K):
+        prefetched = k_tiles if PREFETCH < 0 else tl.minimum(k_tiles, PREFETCH)
+        for k in range(0, prefetched * BLOCK_K, BLOCK_K):
             tl.inline_asm_elementwise(
                 "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
                 "=r,l",
@@ -169,7 +174,7 @@ def _skinny_gemm_kernel(
             )
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
-    if PDL > 1:
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
@@ -257,6 +262,8 @@ def _skinny_gemm_kernel(
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM > 0 and pid_k == 0:
         # The residual sum, K-tile t by the t-th program of these rows, after the weight
         # loop, which so holds only the loads the pipeline streams and the dot product.
@@ -356,14 +363,27 @@ def _validate(x: Tensor, w: Tensor) -> None:
 
 
 def prefetches_weight(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> bool:
-    """Whether this launch, a PDL dependent, prefetches its weight (device.py). Only a weight
-    that fits L2 beside what the kernel before it reads: prefetched, the Llama-3-8B QKV weight
-    (50 MB, the H200's whole L2) would be evicted before the GEMM reads it and come from HBM
-    twice; o_proj's (34 MB) fits. The prefetch covers whole BLOCK_K tiles of half-precision
-    rows: EVEN_K launches only."""
+    """Whether this launch, a PDL dependent, prefetches its whole weight (device.py). Only a
+    weight that fits L2 beside what the kernel before it reads: prefetched, the Llama-3-8B QKV
+    weight (50 MB, the H200's whole L2) would be evicted before the GEMM reads it and come from
+    HBM twice; o_proj's (34 MB) fits. The prefetch covers whole BLOCK_K tiles of
+    half-precision rows: EVEN_K launches only."""
     fits_l2 = w.numel() * w.element_size() <= pdl_prefetch_bytes()
+    return fits_l2 and _can_prefetch(x, block_k, even_k)
+
+
+def _can_prefetch(x: Tensor, block_k: int, even_k: bool) -> bool:
     half = x.element_size() == 2
-    return pdl_enabled(x.device) and fits_l2 and even_k and block_k % 64 == 0 and half
+    return pdl_enabled(x.device) and even_k and block_k % 64 == 0 and half
+
+
+def prefetch_tiles(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> int:
+    """The launch's PREFETCH constexpr: -1 its whole weight slice (`prefetches_weight`), n > 0
+    its first n K-tiles (COMPILE_ENGINE_PDL_PREFETCH_TILES, any weight size), 0 none."""
+    if prefetches_weight(x, w, block_k, even_k):
+        return -1
+    tiles = pdl_prefetch_tiles()
+    return tiles if tiles and _can_prefetch(x, block_k, even_k) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,7 +521,7 @@ def _launch(
             EVEN_K=even_k,
             RAGGED=programs_per_sm > 0,
             PDL=pdl,
-            PREFETCH=pdl > 0 and prefetches_weight(x, w, block_k, even_k),
+            PREFETCH=prefetch_tiles(x, w, block_k, even_k) if pdl > 0 else 0,
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
             num_warps=config.num_warps,

@@ -467,18 +467,33 @@ def pdl_env(monkeypatch):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("trigger", ["0", "1"])
-@pytest.mark.parametrize("prefetch_mb", ["0", "36"])
+@pytest.mark.parametrize(
+    ("trigger", "mode"), [("0", 1), ("1", 2), ("late", 3)], ids=["exit", "at-once", "late"]
+)
+@pytest.mark.parametrize(("prefetch_mb", "tiles"), [("0", "0"), ("36", "0"), ("0", "2")])
+@pytest.mark.parametrize("attention_trigger", [None, "1"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, pdl_env):
+def test_gpu_pdl_chain_gives_the_same_output(
+    rows, attention_trigger, prefetch_mb, tiles, trigger, mode, pdl_env
+):
     # PDL on (the default on sm_90): attention, the skinny GEMMs and silu_and_mul launch as
-    # PDL dependents, each waiting for the kernel ahead before it touches memory and then
-    # (trigger 1) releasing the next; the o_proj-sized GEMM may prefetch its weight first.
+    # PDL dependents, each waiting for the kernel ahead before it touches memory and
+    # releasing the next after its main loop (late, the default), when it ends (0) or at once
+    # (1); the
+    # o_proj-sized GEMM may prefetch its weight first, or every GEMM its first two K-tiles;
+    # attention may release the next kernel at once whatever the others do.
     # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     import kernels_generated.paged_attention as pa
-    from kernels_generated.device import PDL_ENV, PDL_PREFETCH_ENV, PDL_TRIGGER_ENV, pdl_mode
+    from kernels_generated.device import (
+        PDL_ATTENTION_TRIGGER_ENV,
+        PDL_ENV,
+        PDL_PREFETCH_ENV,
+        PDL_PREFETCH_TILES_ENV,
+        PDL_TRIGGER_ENV,
+        pdl_mode,
+    )
     from kernels_generated.silu_and_mul import silu_and_mul_triton
 
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -499,8 +514,12 @@ def test_gpu_pdl_chain_gives_the_same_output(rows, prefetch_mb, trigger, pdl_env
     want = layer()
     pdl_env(PDL_ENV, "1")
     pdl_env(PDL_PREFETCH_ENV, prefetch_mb)
+    pdl_env(PDL_PREFETCH_TILES_ENV, tiles)
     pdl_env(PDL_TRIGGER_ENV, trigger)
-    assert pdl_mode(torch.device("cuda"), rows) == 1 + int(trigger)
+    pdl_env(PDL_ATTENTION_TRIGGER_ENV, attention_trigger)
+    assert pdl_mode(torch.device("cuda"), rows) == mode
+    attention_mode = mode if attention_trigger is None else 2
+    assert pdl_mode(torch.device("cuda"), rows, attention=True) == attention_mode
     assert torch.equal(layer(), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -540,22 +559,70 @@ def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch, pdl_env):
     assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
 
 
+def test_pdl_prefetch_constexpr_whole_slice_leading_tiles_or_none(monkeypatch, pdl_env):
+    # The kernel's PREFETCH: -1 a weight that fits the MiB limit (its whole slice), else the
+    # first COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of any weight, else 0; never for an
+    # uneven K split, float32, or without PDL; a count that is not a whole number is an error.
+    from kernels_generated.device import PDL_PREFETCH_ENV, PDL_PREFETCH_TILES_ENV
+
+    monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
+    x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
+    o_proj = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    gate_up = torch.empty(28672, 4096, dtype=torch.bfloat16, device="meta")
+    pdl_env(PDL_PREFETCH_ENV, None)
+    pdl_env(PDL_PREFETCH_TILES_ENV, None)
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 0  # none by default
+    pdl_env(PDL_PREFETCH_TILES_ENV, "2")
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 2
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=False) == 0
+    assert k.prefetch_tiles(x.float(), gate_up.float(), 256, even_k=True) == 0
+    pdl_env(PDL_PREFETCH_ENV, "36")
+    assert k.prefetch_tiles(x, o_proj, 256, even_k=True) == -1  # fits: all of it
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 2
+    pdl_env(PDL_PREFETCH_TILES_ENV, "two")
+    with pytest.raises(ValueError, match="whole number of K-tiles"):
+        k.prefetch_tiles(x, gate_up, 256, even_k=True)
+    pdl_env(PDL_PREFETCH_TILES_ENV, "2")
+    monkeypatch.setattr(k, "pdl_enabled", lambda device: False)
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 0
+
+
 def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
-    # On by default for sm_90+ CUDA devices and launches of at most PDL_MAX_ROWS tokens, never
-    # on CPU or older GPUs; COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1
-    # makes it release the next kernel at once; a setting that is not 0 or 1 is an error.
+    # On by default for sm_90+ CUDA devices and launches of at most PDL_MAX_ROWS tokens,
+    # releasing the next kernel after the main loop; never on CPU or older GPUs;
+    # COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1 makes it release the next
+    # kernel at once and =0 when the kernel ends; any other setting is an error.
     import kernels_generated.device as dev
 
-    for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV):
+    for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV, dev.PDL_ATTENTION_TRIGGER_ENV):
         pdl_env(name, None)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
-    assert dev.pdl_mode(cuda, 1) == 1
-    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == 1
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_LATE == 3
+    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_RELEASE_LATE
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == dev.PDL_RELEASE_LATE
     assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
     assert dev.pdl_mode(torch.device("cpu"), 1) == 0
     pdl_env(dev.PDL_TRIGGER_ENV, "1")
-    assert dev.pdl_mode(cuda, 1) == 2
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_AT_ONCE == 2
+    pdl_env(dev.PDL_TRIGGER_ENV, "late")
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_LATE == 3
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
+    pdl_env(dev.PDL_TRIGGER_ENV, "early")
+    with pytest.raises(ValueError, match="0 .release the next kernel when this one ends"):
+        dev.pdl_mode(cuda, 1)
+    pdl_env(dev.PDL_TRIGGER_ENV, "0")
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_WAIT == 1
+    # Attention follows the others unless set apart.
+    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_WAIT
+    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, "1")
+    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_RELEASE_AT_ONCE
+    assert dev.pdl_mode(cuda, 1) == dev.PDL_WAIT
+    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1, attention=True) == dev.PDL_OFF
+    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, "soon")
+    with pytest.raises(ValueError, match="COMPILE_ENGINE_PDL_TRIGGER_ATTENTION='soon'"):
+        dev.pdl_mode(cuda, 1)
+    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, None)
     pdl_env(dev.PDL_ENV, "0")
     assert dev.pdl_mode(cuda, 1) == 0
     pdl_env(dev.PDL_ENV, "on")
