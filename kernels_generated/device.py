@@ -16,15 +16,16 @@ kernel of a batch-1 layer but Inductor's fused norms is a dependent.
 Each dependent releases the kernel after it late (griddepcontrol.launch_dependents after its
 main loop, before its epilogue: the skinny GEMM after its K loop, attention after its key loops,
 silu_and_mul after its loads), so the next kernel's programs take each SM as this one's leave it
-instead of after the whole grid has ended; COMPILE_ENGINE_PDL_TRIGGER=0 releases it only when
-the kernel ends. Variants stay behind settings for experiments: releasing the next kernel at
-once (griddepcontrol.launch_dependents right after the wait; COMPILE_ENGINE_PDL_TRIGGER=1),
-before the wait prefetching the skinny GEMM's weight into L2 (weights up to
-COMPILE_ENGINE_PDL_PREFETCH_MB MiB; 0, the default, none) or only the first
-COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of each program's weight slice (0, the default, none),
-and setting the attention kernel's release apart (COMPILE_ENGINE_PDL_TRIGGER_ATTENTION, the same
-values: at batch 1 it runs ~7.8 us on a few SMs, so released at once, the o_proj GEMM after it
-could take the idle SMs and stream its weight into L2 meanwhile); all measured as losses.
+instead of after the whole grid has ended (COMPILE_ENGINE_PDL_TRIGGER=0 releases it only when
+the kernel ends), and each skinny GEMM program puts the first K-tile of its weight slice into L2
+before it waits, so its first loads hit L2 when the wait ends (COMPILE_ENGINE_PDL_PREFETCH_TILES:
+that many tiles; 0 none). Variants stay behind settings for experiments: releasing the next
+kernel at once (griddepcontrol.launch_dependents right after the wait;
+COMPILE_ENGINE_PDL_TRIGGER=1), prefetching the whole weight slice of weights up to
+COMPILE_ENGINE_PDL_PREFETCH_MB MiB (0, the default, none), and setting the attention kernel's
+release apart (COMPILE_ENGINE_PDL_TRIGGER_ATTENTION, the same values: at batch 1 it runs ~7.8 us
+on a few SMs, so released at once, the o_proj GEMM after it could take the idle SMs and stream
+its weight into L2 meanwhile); all measured as losses.
 Measured on the H200 (`bench latency`, variants alternating in one call; docs/compiler.md
 section 6): at 57cd701 (Inductor's PDL off) ours with gate_up and down on the skinny GEMM 232.0
 / 232.2 tok/s at batch 1 against 228.8 / 229.3 off and 228.6 / 229.2 ours with those two on
@@ -32,7 +33,9 @@ cuBLAS, batch 64 and 256 within 0.4%; at 8ca2af7 with Inductor's PDL on, 235.3 /
 230.2 / 230.3; at fe23f5b ours releasing at once 225.7 / 223.8 against 229.2 / 229.6, with the
 o_proj prefetch 223.2 / 221.4; at db83b9a releasing late 240.6 / 240.5 against 238.9 / 238.6
 when the kernel ends, late with 2 prefetched K-tiles 240.2 / 239.8, attention released at once
-with the o_proj prefetch 236.3 / 236.3, all three 236.7 / 236.6.
+with the o_proj prefetch 236.3 / 236.3, all three 236.7 / 236.6; at 9a6247e (late the default)
+one prefetched K-tile 241.9 / 242.0 and 241.9 / 241.9 against 240.1 in all four rounds (two
+calls, order swapped), attention released at once 238.4 / 238.4.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # late (default): release the ne
 # the main loop; 0: when this one ends; 1: right after the wait
 PDL_ATTENTION_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER_ATTENTION"  # the same for attention alone
 PDL_PREFETCH_TILES_ENV = "COMPILE_ENGINE_PDL_PREFETCH_TILES"  # leading K-tiles into L2; 0: none
+PDL_PREFETCH_TILES = 1  # its default
 # pdl_mode's values: the PDL constexpr of our kernels.
 PDL_OFF, PDL_WAIT, PDL_RELEASE_AT_ONCE, PDL_RELEASE_LATE = 0, 1, 2, 3
 _TRIGGERS = {"0": PDL_WAIT, "1": PDL_RELEASE_AT_ONCE, "late": PDL_RELEASE_LATE}
@@ -81,8 +85,8 @@ def env_switch(name: str, default: bool, error: type[Exception] = ValueError) ->
     return default if value == "" else value == "1"
 
 
-def _whole_number(name: str, what: str) -> int:
-    value = os.environ.get(name, "").strip() or "0"
+def _whole_number(name: str, what: str, default: int = 0) -> int:
+    value = os.environ.get(name, "").strip() or str(default)
     if not value.isdigit():
         raise ValueError(f"{name}={value!r}: want a whole number of {what} (0: none)")
     return int(value)
@@ -93,7 +97,7 @@ class PdlSettings(NamedTuple):
     mode: int  # a dependent's PDL constexpr (pdl_mode)
     attention_mode: int  # the same for the attention kernel
     prefetch_bytes: int  # the largest weight a skinny GEMM prefetches whole; 0: none
-    prefetch_tiles: int  # else its first K-tiles; 0: none
+    prefetch_tiles: int  # else its first K-tiles (1 by default); 0: none
 
 
 def _trigger(name: str, default: int) -> int:
@@ -118,7 +122,7 @@ def pdl_settings() -> PdlSettings:
         mode=mode,
         attention_mode=_trigger(PDL_ATTENTION_TRIGGER_ENV, mode),
         prefetch_bytes=_whole_number(PDL_PREFETCH_ENV, "MiB") << 20,
-        prefetch_tiles=_whole_number(PDL_PREFETCH_TILES_ENV, "K-tiles"),
+        prefetch_tiles=_whole_number(PDL_PREFETCH_TILES_ENV, "K-tiles", PDL_PREFETCH_TILES),
     )
 
 

@@ -470,7 +470,9 @@ def pdl_env(monkeypatch):
 @pytest.mark.parametrize(
     ("trigger", "mode"), [("0", 1), ("1", 2), ("late", 3)], ids=["exit", "at-once", "late"]
 )
-@pytest.mark.parametrize(("prefetch_mb", "tiles"), [("0", "0"), ("36", "0"), ("0", "2")])
+@pytest.mark.parametrize(
+    ("prefetch_mb", "tiles"), [("0", "0"), ("36", "0"), ("0", "1"), ("0", "2")]
+)
 @pytest.mark.parametrize("attention_trigger", [None, "1"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gpu_pdl_chain_gives_the_same_output(
@@ -561,8 +563,9 @@ def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch, pdl_env):
 
 def test_pdl_prefetch_constexpr_whole_slice_leading_tiles_or_none(monkeypatch, pdl_env):
     # The kernel's PREFETCH: -1 a weight that fits the MiB limit (its whole slice), else the
-    # first COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of any weight, else 0; never for an
-    # uneven K split, float32, or without PDL; a count that is not a whole number is an error.
+    # first COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of any weight (1 when unset), 0 when set
+    # to 0; never for an uneven K split, float32, or without PDL; a count that is not a whole
+    # number is an error.
     from kernels_generated.device import PDL_PREFETCH_ENV, PDL_PREFETCH_TILES_ENV
 
     monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
@@ -571,7 +574,10 @@ def test_pdl_prefetch_constexpr_whole_slice_leading_tiles_or_none(monkeypatch, p
     gate_up = torch.empty(28672, 4096, dtype=torch.bfloat16, device="meta")
     pdl_env(PDL_PREFETCH_ENV, None)
     pdl_env(PDL_PREFETCH_TILES_ENV, None)
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 0  # none by default
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 1  # the first tile by default
+    assert k.prefetch_tiles(x, o_proj, 256, even_k=True) == 1
+    pdl_env(PDL_PREFETCH_TILES_ENV, "0")
+    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 0
     pdl_env(PDL_PREFETCH_TILES_ENV, "2")
     assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 2
     assert k.prefetch_tiles(x, gate_up, 256, even_k=False) == 0
