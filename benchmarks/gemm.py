@@ -18,9 +18,12 @@ rounding) before and after its timing (the second check catches split-K counters
 The sweep has a time budget; what it did not reach is recorded as such.
 
 Reported per (shape, M, variant): microseconds per call, TB/s (weight + x + y bytes) and
-TFLOP/s. --write-configs writes kernels_generated/configs/skinny_gemm.json's h100 section: per
-(N, K, M) the faster of the best Triton config and cuBLASLt where it beats cuBLAS by at least
---min-speedup, else cuBLAS. --from-json rewrites it from a saved sweep, without a GPU.
+TFLOP/s. --write-configs writes the swept cells' entries of kernels_generated/configs/
+skinny_gemm.json's h100 section: per (N, K, M) the faster of the best Triton config and cuBLASLt
+where it beats cuBLAS by at least --min-speedup, else cuBLAS. The other entries, each entry's
+`fused` records (`bench gemm-norm`) and a kernel an engine A/B chose (`chosen_by`, which takes
+the sweep's best config for that kernel) stay. --from-json rewrites them from a saved sweep,
+without a GPU.
 """
 
 from __future__ import annotations
@@ -362,17 +365,46 @@ def table_entries(cells: list[dict], info: dict, min_speedup: float) -> list:
 
 
 def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) -> None:
-    """The h100 section of the skinny GEMM's config table from a sweep's cells."""
+    """The swept cells' entries in the h100 section of the skinny GEMM's config table, every
+    other entry left as it was (a sweep of some shapes or rows replaces only theirs). A swept
+    entry takes the sweep's choice, config and times and keeps its `fused` records (`bench
+    gemm-norm`'s). Where an engine A/B chose the kernel (`chosen_by`: the sweep's rule would
+    pick another), the entry keeps that kernel and its reason and takes only the sweep's best
+    config for it (Triton)."""
     from kernels_generated.configs import ConfigTable, TargetConfigs
 
     table = ConfigTable.load(path)
+    section = table.targets.get("h100") or TargetConfigs(True, [])
+    merged = {_key(e.key): e for e in section.entries}
+    best = {_key(c): c for c in cells if c.get("best_triton")}
+    for entry in table_entries(cells, info, min_speedup):
+        key = _key(entry.key)
+        old = merged.get(key)
+        if old is not None and "fused" in old.info:
+            entry.info["fused"] = old.info["fused"]
+        if old is not None and "chosen_by" in old.info:
+            entry.info["chosen_by"] = old.info["chosen_by"]
+            kernel, picked = old.config.get("kernel"), entry.config.get("kernel")
+            if kernel == "triton" and key in best:
+                cell = best[key]
+                entry.config = {"kernel": kernel, **cell["variants"][cell["best_triton"]]["config"]}
+            elif kernel != picked:
+                entry.config = old.config
+            print(f"N={key[0]} K={key[1]} M={key[2]}: {kernel} kept, chosen by an engine A/B "
+                  f"(the sweep's rule picked {picked})")  # fmt: skip
+        merged[key] = entry
     table.targets["h100"] = TargetConfigs(
         True,
-        table_entries(cells, info, min_speedup),
-        note=f"python -m benchmarks gemm --write-configs: Triton or cuBLASLt where >= "
+        list(merged.values()),
+        note=section.note
+        or f"python -m benchmarks gemm --write-configs: Triton or cuBLASLt where >= "
         f"x{min_speedup} cuBLAS, else cuBLAS",
     )
     print(f"wrote {table.save(path)}")
+
+
+def _key(key: dict) -> tuple[int, int, int]:
+    return key["N"], key["K"], key["M"]
 
 
 def provenance_of(record: dict) -> dict:
@@ -399,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--budget-s", type=float, default=230.0, help="for the Triton sweep")
-    p.add_argument("--write-configs", metavar="PATH", help="write the tuned table here")
+    p.add_argument(
+        "--write-configs", metavar="PATH", help="write the swept cells' entries into this table"
+    )
     p.add_argument("--min-speedup", type=float, default=1.05)
     p.add_argument("--list", action="store_true", help="print the sweep's configs per cell")
     p.add_argument(

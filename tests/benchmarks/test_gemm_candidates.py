@@ -99,6 +99,52 @@ def test_fused_norm_records_go_where_the_fused_launch_won(tmp_path):
     ]
 
 
+def test_a_sweep_rewrites_only_its_cells_keeping_fused_records_and_a_b_choices(tmp_path):
+    # `bench gemm --write-configs` over some shapes and rows: their entries take the sweep's
+    # choice and times; every other entry stays as it was, and so do each entry's fused
+    # records (bench gemm-norm's) and a kernel an engine A/B chose (chosen_by), which takes
+    # only the sweep's best config for that kernel.
+    import json
+
+    from kernels_generated import skinny_gemm as k
+
+    shipped = json.loads((k.CONFIG_DIR / "skinny_gemm.json").read_text())
+    path = tmp_path / "skinny_gemm.json"
+    path.write_text(json.dumps(shipped))
+
+    def by_key(table: dict) -> dict:
+        return {gemm._key(e["key"]): e for e in table["targets"]["h100"]["entries"]}
+
+    before = by_key(shipped)
+    qkv, down, o_proj = (6144, 4096, 1), (4096, 14336, 1), (4096, 4096, 256)
+    assert "fused" in before[qkv] and "chosen_by" in before[down]  # what the test is about
+    assert before[down]["config"]["kernel"] == "triton"
+    config = gemm.candidates(4096, 4096, 1)[0]
+
+    def cell(key, cublas_us, triton_us):
+        n_size, k_size, m = key
+        return {"N": n_size, "K": k_size, "M": m, "best_triton": "t",
+                "variants": {"cublas": {"us": cublas_us}, "cublaslt": {"us": cublas_us},
+                             "t": {"us": triton_us, "config": config}}}  # fmt: skip
+
+    cells = [cell(qkv, 20.0, 10.0), cell(down, 30.0, 29.9), cell(o_proj, 10.0, 20.0)]
+    gemm.write_configs(cells, str(path), 1.05, {"sweep": "gemm@test"})
+    written = json.loads(path.read_text())
+    after = by_key(written)
+    assert list(after) == list(before)
+    assert written["targets"]["h100"]["note"] == shipped["targets"]["h100"]["note"]
+    for key, entry in before.items():
+        if key not in (qkv, down, o_proj):
+            assert after[key] == entry, key
+    assert after[qkv]["config"] == {"kernel": "triton", **config}
+    assert after[qkv]["fused"] == before[qkv]["fused"] and after[qkv]["sweep"] == "gemm@test"
+    # x1.003 is under the sweep's 5% rule, but the A/B chose Triton: its config is the sweep's.
+    assert after[down]["config"] == {"kernel": "triton", **config}
+    assert after[down]["chosen_by"] == before[down]["chosen_by"]
+    assert after[o_proj]["config"] == {"kernel": "cublas"}
+    assert after[o_proj]["triton_us"] == 20.0
+
+
 def test_render_shows_the_unfused_chain_against_the_best_fused_launch():
     from benchmarks import render
 
