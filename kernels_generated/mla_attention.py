@@ -46,7 +46,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.device import sm_count
-from kernels_generated.paged_attention import paged_layout
+from kernels_generated.paged_attention import compare_outputs, paged_layout
 from kernels_generated.timing import event_seconds
 from models.mla import mla_latent_attention_fake, mla_latent_attention_ref
 
@@ -583,17 +583,7 @@ def check(
     cache_ref, cache_out = batch.latent_cache.clone(), batch.latent_cache.clone()
     expected = mla_latent_attention_ref(*batch.args(cache_ref))
     got = mla_latent_attention_triton(*batch.args(cache_out), num_splits=num_splits, **tiles)
-    if atol is None:
-        atol = {torch.float32: 1e-4, torch.float16: 2e-3}.get(batch.q_latent.dtype, 2e-2)
-    err = (got.float() - expected.float()).abs().max().item() if got.numel() else 0.0
-    cos = torch.nn.functional.cosine_similarity(
-        got.float().flatten(), expected.float().flatten(), dim=0
-    ).item()
-    if not torch.equal(cache_out, cache_ref):
-        raise AssertionError("latent cache after the kernel differs from the reference's")
-    if err > atol:
-        raise AssertionError(f"max abs error {err:.3g} > atol {atol:.3g} (cosine {cos:.6f})")
-    return {"max_abs_err": err, "cosine": cos}
+    return compare_outputs(got, expected, (cache_out, cache_ref), "latent cache", atol)
 
 
 def bench(

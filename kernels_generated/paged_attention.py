@@ -1468,14 +1468,27 @@ def check(
             q, k, v, cache_out, *rest, num_splits=num_splits, tiled=tiled, positions=positions,
             cos_sin_cache=table,
         )  # fmt: skip
+    return compare_outputs(got, expected, (cache_out, cache_ref), "kv_cache", atol)
+
+
+def compare_outputs(
+    got: Tensor,
+    expected: Tensor,
+    caches: tuple[Tensor, Tensor],
+    cache_name: str,
+    atol: float | None = None,
+) -> dict[str, float]:
+    """An attention kernel's output and written cache against the reference's: max abs error
+    and cosine similarity; AssertionError where the caches (kernel's, reference's) differ at
+    all or the error passes atol (by default 1e-4 in float32, 2e-3 in float16, else 2e-2)."""
     if atol is None:
-        atol = {torch.float32: 1e-4, torch.float16: 2e-3}.get(batch.q.dtype, 2e-2)
+        atol = {torch.float32: 1e-4, torch.float16: 2e-3}.get(expected.dtype, 2e-2)
     err = (got.float() - expected.float()).abs().max().item() if got.numel() else 0.0
     cos = torch.nn.functional.cosine_similarity(
         got.float().flatten(), expected.float().flatten(), dim=0
     ).item()
-    if not torch.equal(cache_out, cache_ref):
-        raise AssertionError("kv_cache after the kernel differs from the reference's")
+    if not torch.equal(*caches):
+        raise AssertionError(f"{cache_name} after the kernel differs from the reference's")
     if err > atol:
         raise AssertionError(f"max abs error {err:.3g} > atol {atol:.3g} (cosine {cos:.6f})")
     return {"max_abs_err": err, "cosine": cos}

@@ -488,3 +488,17 @@ def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None, tiled: bool
         real = int(b.query_start_loc[-1])
         assert torch.equal(out[:real], expected[name][:real]), name
         assert torch.equal(out[real:], torch.zeros_like(out[real:])), name
+
+
+def test_compare_outputs_fails_on_a_cache_or_output_off_the_reference():
+    # The oracle every attention kernel test goes through (check, and MLA's): a cache that
+    # differs at all, or an output past atol (by dtype unless given), fails.
+    expected = torch.ones(2, 4, dtype=torch.float16)
+    cache = torch.zeros(3)
+    stats = pa.compare_outputs(expected + 1e-3, expected, (cache, cache.clone()), "kv_cache")
+    assert stats["max_abs_err"] == pytest.approx(1e-3, rel=0.1) and stats["cosine"] > 0.999
+    with pytest.raises(AssertionError, match="max abs error"):
+        pa.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache")
+    pa.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache", atol=0.1)
+    with pytest.raises(AssertionError, match="latent cache after the kernel differs"):
+        pa.compare_outputs(expected, expected, (cache, cache + 1), "latent cache")
