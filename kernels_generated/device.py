@@ -147,17 +147,6 @@ def pdl_mode(device: torch.device, rows: int, attention: bool = False) -> int:
     return settings.attention_mode if attention else settings.mode
 
 
-def pdl_prefetch_bytes() -> int:
-    """The largest weight a PDL-launched skinny GEMM prefetches into L2 before it waits."""
-    return pdl_settings().prefetch_bytes
-
-
-def pdl_prefetch_tiles() -> int:
-    """How many leading K-tiles of its weight slice a PDL-launched skinny GEMM program
-    prefetches into L2 before it waits (0: none)."""
-    return pdl_settings().prefetch_tiles
-
-
 def pdl_launch(enabled: bool) -> dict:
     """A kernel launch's options when the kernel is a PDL dependent: it may start before the
     kernel ahead of it ends, so it must wait (gdc_wait) before it touches their memory."""

@@ -76,8 +76,7 @@ from kernels_generated.device import (
     pdl_enabled,
     pdl_launch,
     pdl_mode,
-    pdl_prefetch_bytes,
-    pdl_prefetch_tiles,
+    pdl_settings,
     sm_count,
 )
 from models.ops import add_rms_norm_ref, silu_and_mul_ref
@@ -368,7 +367,7 @@ def prefetches_weight(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> bool:
     weight (50 MB, the H200's whole L2) would be evicted before the GEMM reads it and come from
     HBM twice; o_proj's (34 MB) fits. The prefetch covers whole BLOCK_K tiles of
     half-precision rows: EVEN_K launches only."""
-    fits_l2 = w.numel() * w.element_size() <= pdl_prefetch_bytes()
+    fits_l2 = w.numel() * w.element_size() <= pdl_settings().prefetch_bytes
     return fits_l2 and _can_prefetch(x, block_k, even_k)
 
 
@@ -382,7 +381,7 @@ def prefetch_tiles(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> int:
     its first n K-tiles (COMPILE_ENGINE_PDL_PREFETCH_TILES, any weight size), 0 none."""
     if prefetches_weight(x, w, block_k, even_k):
         return -1
-    tiles = pdl_prefetch_tiles()
+    tiles = pdl_settings().prefetch_tiles
     return tiles if tiles and _can_prefetch(x, block_k, even_k) else 0
 
 
