@@ -89,6 +89,46 @@ def critical_path(
     return dict(advance), idle, dict(gaps)
 
 
+def layer_positions(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The intervals relabelled by their place in a layer: '<name> #k', k the kernel's count
+    among same-named kernels since the last attention kernel (which keeps its name). One
+    kernel serves several roles (at batch 1 the skinny GEMM runs o_proj #0, gate_up #1,
+    down #2 and the next layer's qkv #3), so its name alone cannot say which role costs what.
+    Kernels before the window's first attention kernel count from 0 as well (the first step's
+    first qkv)."""
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for start, end, name in sorted(intervals):
+        if kernel_kind(name) == "attention":
+            seen.clear()
+            out.append((start, end, name))
+            continue
+        out.append((start, end, f"{name} #{seen[name]}"))
+        seen[name] += 1
+    return out
+
+
+def layer_timeline(positions: list[tuple[float, float, str]], layer: int) -> list[dict]:
+    """The kernels from the `layer`-th attention kernel of the window to the next one, each
+    with its start and end in us from that attention kernel's start (a kernel that starts
+    before the one ahead of it ends was launched early, by PDL, and waited)."""
+    attention = [
+        i for i, (_, _, label) in enumerate(positions) if kernel_kind(label) == "attention"
+    ]
+    if len(attention) < layer + 2:
+        return []
+    first, last = attention[layer], attention[layer + 1]
+    origin = positions[first][0]
+    return [
+        {
+            "kernel": label[:90],
+            "start_us": round(start - origin, 2),
+            "end_us": round(end - origin, 2),
+        }
+        for start, end, label in positions[first : last + 1]
+    ]
+
+
 def kernel_table(engine, steps: int, top: int = 30) -> dict:
     """Device time a step by kind of kernel and the top kernels, from torch.profiler over
     `steps` engine steps. Two warm-up steps come first (CUPTI drops the first kernels it sees:
@@ -126,9 +166,13 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
     # One pass by kernel name: its charges summed by kind below, its idle time by the kernels
     # on either side of each gap (a late host, or the start-up of a copy or a graph launch
     # queued in time: docs/compiler.md, item 9 of the dropped list).
-    by_name, idle, gaps = critical_path(
-        [(e.time_range.start, e.time_range.end, e.name) for e in events]
-    )
+    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in events]
+    by_name, idle, gaps = critical_path(intervals)
+    positions = layer_positions(intervals)
+    by_position, _, _ = critical_path(positions)
+    position_calls: dict[str, int] = defaultdict(int)
+    for _, _, label in positions:
+        position_calls[label] += 1
     advance: dict[str, float] = defaultdict(float)
     for name, us in by_name.items():
         advance[kernel_kind(name)] += us
@@ -148,6 +192,18 @@ def kernel_table(engine, steps: int, top: int = 30) -> dict:
         "idle_gaps": [
             {"after": before, "before": after, "us_per_step": round(us / steps, 1)}
             for (before, after), us in top_gaps
+        ],
+        # One layer mid-step, kernel by kernel (the window's 16th attention kernel on).
+        "layer_timeline": layer_timeline(positions, 16),
+        # The critical path again, each kernel by its place in a layer (layer_positions).
+        "critical_path_by_position": [
+            {
+                "kernel": label[:90],
+                "calls_per_step": round(position_calls[label] / steps, 2),
+                "us_per_step": round(us / steps, 1),
+                "us_per_call": round(us / position_calls[label], 2),
+            }
+            for label, us in sorted(by_position.items(), key=lambda kv: -kv[1])[:top]
         ],
         "top_kernels": [
             {"name": name[:90], "us_per_step": round(us, 1), "calls_per_step": round(calls, 2)}
@@ -266,6 +322,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"      {gap['us_per_step']:8.1f} us  {gap['after']} -> {gap['before']}")
             for row in k["top_kernels"]:
                 print(f"    {row['us_per_step']:8.1f} us x{row['calls_per_step']:<6} {row['name']}")
+            print("  one layer, us from its attention kernel's start:")
+            for row in k.get("layer_timeline", []):
+                print(f"    {row['start_us']:8.2f} .. {row['end_us']:8.2f}  {row['kernel']}")
+            print(
+                "  on the critical path by place in a layer (#k: k-th of its name after attention):"
+            )
+            for row in k["critical_path_by_position"][:12]:
+                print(
+                    f"    {row['us_per_step']:8.1f} us x{row['calls_per_step']:<6} "
+                    f"{row['us_per_call']:6.2f} us a call  {row['kernel']}"
+                )
     path = write_result(
         "breakdown",
         {"settings": engine_settings(llm), "results": results},

@@ -532,6 +532,17 @@ def _breakdown(r: dict) -> list[str]:
                     f"- {_fmt(g['us_per_step'])} us a step: `{g['after']}` -> `{g['before']}`"
                     for g in gaps[:5]
                 ]
+            places = x["kernels"].get("critical_path_by_position") or []
+            if places:
+                lines += ["", (
+                    f"Batch {x['batch']}'s critical path by each kernel's place in a layer "
+                    "(`#k`: the k-th of that name after the attention kernel):"
+                ), ""]  # fmt: skip
+                lines += [
+                    f"- {_fmt(p['us_per_step'])} us a step, {p['us_per_call']:.2f} us a call x "
+                    f"{p['calls_per_step']:g}: `{p['kernel']}`"
+                    for p in places[:8]
+                ]
     return lines
 
 

@@ -187,6 +187,38 @@ def test_breakdown_critical_path_charges_overlaps_once():
     assert breakdown.critical_path([]) == ({}, 0.0, {})
 
 
+def test_breakdown_layer_positions_tell_one_kernels_roles_apart():
+    # Two batch-1 layers: qkv, attention, o_proj, gate_up, down, all but attention the same
+    # kernel; each relabelled by its count since the last attention kernel, so the critical
+    # path charges o_proj, gate_up, down and the next qkv apart (out of order on purpose).
+    gemm, attn = "_skinny_gemm_kernel", "_paged_attention_kernel"
+    layer = [(0, 4, gemm), (4, 5, attn), (5, 7, gemm), (7, 15, gemm), (15, 19, gemm)]
+    intervals = layer + [(start + 19, end + 19, name) for start, end, name in layer]
+    labels = [label for _, _, label in breakdown.layer_positions(intervals[::-1])]
+    assert labels == [
+        f"{gemm} #0", attn, f"{gemm} #0", f"{gemm} #1", f"{gemm} #2",
+        f"{gemm} #3", attn, f"{gemm} #0", f"{gemm} #1", f"{gemm} #2",
+    ]  # fmt: skip
+    positions = breakdown.layer_positions(intervals)
+    assert breakdown.layer_timeline(positions, 0) == [
+        {"kernel": attn, "start_us": 0, "end_us": 1},
+        {"kernel": f"{gemm} #0", "start_us": 1, "end_us": 3},
+        {"kernel": f"{gemm} #1", "start_us": 3, "end_us": 11},
+        {"kernel": f"{gemm} #2", "start_us": 11, "end_us": 15},
+        {"kernel": f"{gemm} #3", "start_us": 15, "end_us": 19},
+        {"kernel": attn, "start_us": 19, "end_us": 20},
+    ]
+    assert breakdown.layer_timeline(positions, 1) == []  # no attention kernel after it
+    advance, _, _ = breakdown.critical_path(positions)
+    assert advance == {
+        f"{gemm} #0": 4 + 2 + 2,
+        attn: 2,
+        f"{gemm} #1": 16,
+        f"{gemm} #2": 8,
+        f"{gemm} #3": 4,
+    }
+
+
 def test_render_breakdown_shows_the_critical_path(tmp_path):
     kernels = {
         "device_us_per_step": 30.0,
@@ -197,6 +229,14 @@ def test_render_breakdown_shows_the_critical_path(tmp_path):
         "top_kernels": [
             {"name": "_skinny_gemm_kernel", "us_per_step": 20.0, "calls_per_step": 4.0},
             {"name": "_paged_attention_kernel", "us_per_step": 10.0, "calls_per_step": 1.0},
+        ],
+        "critical_path_by_position": [
+            {
+                "kernel": "_skinny_gemm_kernel #1",
+                "calls_per_step": 1.0,
+                "us_per_step": 8.5,
+                "us_per_call": 8.5,
+            }
         ],
     }
     step = {
@@ -212,8 +252,10 @@ def test_render_breakdown_shows_the_critical_path(tmp_path):
     assert "| attention | 4.50 |" in text
     assert "| device idle (no kernel) | 1.25 |" in text
     assert "- 1.25 us a step: `Memcpy HtoD` -> `triton_red_fused`" in text
+    assert "- 8.50 us a step, 8.50 us a call x 1: `_skinny_gemm_kernel #1`" in text
     # A result from before the critical path was recorded renders without that table.
     del kernels["critical_path_us"], kernels["device_idle_us_per_step"], kernels["idle_gaps"]
+    del kernels["critical_path_by_position"]
     for path in tmp_path.glob("*.json"):
         path.unlink()
     write_result("breakdown", {"settings": {}, "results": [step]}, tmp_path, device="cpu")
