@@ -1,0 +1,168 @@
+"""What a batch-1 decode layer's attention costs on the critical path, by ablation: 32 layers
+of the engine's decode kernels at Llama-3-8B shapes (the fused norm + qkv GEMM, attention with
+rotary and the cache write fused, o_proj, the fused norm + gate_up + silu, down; each with its
+own weights, so every weight streams from HBM, and its own KV cache), captured in one CUDA
+graph, with PDL as the engine sets it. Each variant changes one thing about attention and
+reports the replay's time a layer against the full chain:
+  - none: o_proj reads a fixed tensor, no attention kernel at all (attention's whole cost);
+  - alone: attention's 32 launches by themselves in a graph (its latency with nothing ahead);
+  - own key only: one cached key fewer than the token (context 1: no key loop);
+  - unrotated: q and k arrive rotated (no position and cos/sin loads);
+  - one split: num_splits=1 (no partials' store, arrival and reload);
+  - PDL off: every launch plain.
+Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
+engine's at max_model_len 131,072 (so the split choice is the engine's). On the device, after
+decode_bench.sh's wheel install line (carry [".whl"]):
+    PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+import kernels_generated.paged_attention as pa
+from kernels_generated import skinny_gemm as sg
+from kernels_generated.device import PDL_ENV, pdl_settings
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4096, 32, 8, 128, 14336
+BLOCK, TABLE_WIDTH, CONTEXT = 16, 131072 // 16, 100
+DEV, DT = "cuda", torch.bfloat16
+
+
+def weights(gen: torch.Generator) -> list[dict]:
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=DEV) * shape[-1] ** -0.5).to(DT)
+
+    return [
+        {
+            "qkv": rand((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+            "o": rand(HIDDEN, HEADS * HEAD_DIM),
+            "gate_up": rand(2 * INTER, HIDDEN),
+            "down": rand(HIDDEN, INTER),
+            "norm1": torch.ones(HIDDEN, device=DEV, dtype=DT),
+            "norm2": torch.ones(HIDDEN, device=DEV, dtype=DT),
+            "cache": torch.randn(2, 16, BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(
+                DT
+            ),
+        }
+        for _ in range(LAYERS)
+    ]
+
+
+def step_inputs(context: int) -> dict:
+    """One decode token at position `context` (its sequence context + 1 keys long)."""
+    layout = pa.paged_layout(
+        [1], [context + 1], block_size=BLOCK, device=DEV, table_width=TABLE_WIDTH, num_blocks=16
+    )
+    batch = pa.make_batch([1], [context + 1], dtype=DT, device=DEV, num_q_heads=HEADS,
+                          num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK)  # fmt: skip
+    _, _, _, positions, table = pa.rotary_inputs(batch, HEAD_DIM)
+    return {
+        "slots": layout.slot_mapping,
+        "block_tables": layout.block_tables,
+        "seq_lens": layout.seq_lens,
+        "query_start_loc": layout.query_start_loc,
+        "positions": positions,
+        "cos_sin": table,
+        "scale": batch.scale,
+    }
+
+
+def forward(layers, meta, x, residual, attention="full", num_splits=None, rotary=True):
+    fixed = torch.zeros(1, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+    for w in layers:
+        qkv, residual = sg.add_rms_norm_linear(x, residual, w["norm1"], 1e-5, w["qkv"], False)
+        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+        if attention == "none":
+            out = fixed
+        else:
+            rot = (
+                {"positions": meta["positions"], "cos_sin_cache": meta["cos_sin"]} if rotary else {}
+            )
+            out = pa.paged_attention_triton(
+                q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM),
+                v.view(1, KV_HEADS, HEAD_DIM), w["cache"], meta["slots"], meta["block_tables"],
+                meta["seq_lens"], meta["query_start_loc"], meta["scale"], num_splits=num_splits,
+                **rot,
+            )  # fmt: skip
+        x = sg.linear(out.reshape(1, -1), w["o"])
+        up, residual = sg.add_rms_norm_linear(x, residual, w["norm2"], 1e-5, w["gate_up"], True)
+        x = sg.linear(up, w["down"])
+    return x
+
+
+def attention_alone(layers, meta, q, k, v):
+    for w in layers:
+        pa.paged_attention_triton(
+            q, k, v, w["cache"], meta["slots"], meta["block_tables"], meta["seq_lens"],
+            meta["query_start_loc"], meta["scale"], positions=meta["positions"],
+            cos_sin_cache=meta["cos_sin"],
+        )  # fmt: skip
+
+
+def replay_us(fn, replays: int = 30) -> float:
+    """Median time of one replay of `fn` captured in a CUDA graph, in us a layer."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    layers = weights(gen)
+    x = torch.randn(1, HIDDEN, generator=gen, device=DEV).to(DT)
+    residual = torch.randn(1, HIDDEN, generator=gen, device=DEV).to(DT)
+    meta, short = step_inputs(CONTEXT), step_inputs(0)
+    q = torch.randn(1, HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
+    k = torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
+    v = torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
+    splits = pa.choose_num_splits(1, KV_HEADS, TABLE_WIDTH * BLOCK, torch.device(DEV))
+    variants = {
+        "full chain": lambda: forward(layers, meta, x, residual),
+        "none": lambda: forward(layers, meta, x, residual, attention="none"),
+        "alone": lambda: attention_alone(layers, meta, q, k, v),
+        "own key only": lambda: forward(layers, short, x, residual),
+        "unrotated": lambda: forward(layers, meta, x, residual, rotary=False),
+        "one split": lambda: forward(layers, meta, x, residual, num_splits=1),
+    }
+    results = {}
+    for _ in range(2):  # two rounds, variants alternating, against clock drift
+        for name, fn in variants.items():
+            results.setdefault(name, []).append(replay_us(fn))
+    os.environ[PDL_ENV] = "0"
+    pdl_settings.cache_clear()
+    results["PDL off (full chain)"] = [replay_us(variants["full chain"]) for _ in range(2)]
+    full = statistics.mean(results["full chain"])
+    print(f"batch 1, context {CONTEXT}, {splits} splits chosen; us a layer (2 rounds):")
+    for name, us in results.items():
+        mean = statistics.mean(us)
+        print(f"  {name:<22} {us[0]:7.2f} {us[1]:7.2f}   vs full {mean - full:+6.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"context": CONTEXT, "splits": splits, "us_per_layer": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
