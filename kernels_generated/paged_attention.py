@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -842,7 +843,7 @@ def choose_num_splits(
     (one below 2 x MIN_SPLIT_KEYS keys), so a wide table costs little at short context."""
     programs = num_tokens * num_kv_heads
     sms = sm_count(device)
-    if programs >= sms:
+    if programs >= sms or _splits_cap() == 1:
         return 1
     splits = min(
         triton.cdiv(2 * sms, programs),
@@ -850,6 +851,15 @@ def choose_num_splits(
         _MAX_SPLITS,
     )
     return max(splits, 1)
+
+
+@functools.cache
+def _splits_cap() -> int:
+    """COMPILE_ENGINE_DECODE_SPLITS=1: no split-KV (an A/B switch); unset: by shapes."""
+    value = os.environ.get("COMPILE_ENGINE_DECODE_SPLITS", "").strip()
+    if value not in ("", "1"):
+        raise PagedAttentionKernelError(f"COMPILE_ENGINE_DECODE_SPLITS={value!r}: set 1 or unset")
+    return 1 if value == "1" else 0
 
 
 _MIN_COUNTERS = 4096  # more than any automatic choice needs (T x Hkv below the SM count)
