@@ -11,7 +11,12 @@ reports the replay's time a layer against the full chain:
   - one split: num_splits=1 (no partials' store, arrival and reload);
   - PDL off: every launch plain.
 Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
-engine's at max_model_len 131,072 (so the split choice is the engine's). On the device, after
+engine's at max_model_len 131,072 (so the split choice is the engine's: 33 splits, of which 2
+hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds): full chain
+121.70 / 122.73, none 114.03 / 114.76 (attention costs 7.8), alone 6.31 / 6.26, own key only
+118.57 / 118.54 (the 100 cached keys cost 3.65), unrotated 122.13 / 122.36 (rotary costs
+nothing), one split 121.17 / 121.28 (1 us less), PDL off 126.06 / 126.11 (docs/compiler.md,
+section 5, item 10). On the device, after
 decode_bench.sh's wheel install line (carry [".whl"]):
     PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
 """

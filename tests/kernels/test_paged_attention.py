@@ -311,6 +311,25 @@ def test_choose_num_splits_reads_shapes_only():
     assert pa.choose_num_splits(1, 1, 10**7, cpu) <= pa._MAX_SPLITS
 
 
+def test_decode_splits_switch(monkeypatch: pytest.MonkeyPatch):
+    # COMPILE_ENGINE_DECODE_SPLITS=1 turns split-KV off however long the context (an A/B
+    # switch); unset, the shapes decide; any other value is an error that says what to set.
+    cpu = torch.device("cpu")
+    try:
+        monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "1")
+        pa._splits_cap.cache_clear()
+        assert pa.choose_num_splits(1, 2, 32768, cpu) == 1
+        monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "4")
+        pa._splits_cap.cache_clear()
+        with pytest.raises(pa.PagedAttentionKernelError, match="set 1 or unset"):
+            pa.choose_num_splits(1, 2, 32768, cpu)
+        monkeypatch.delenv("COMPILE_ENGINE_DECODE_SPLITS")
+        pa._splits_cap.cache_clear()
+        assert pa.choose_num_splits(1, 2, 32768, cpu) > 1
+    finally:
+        pa._splits_cap.cache_clear()
+
+
 def test_rejects_unsupported_head_dim():
     batch = pa.make_batch([1], [3], head_dim=16)
     q = torch.zeros(1, 4, 24)
