@@ -437,10 +437,12 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
     PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
     # it after the key loops (device.py)
+    IDLE_EXIT: tl.constexpr = False,  # splits with no keys return before the PDL wait
 ):
-    if PDL > 0:
+    EARLY_EXIT: tl.constexpr = IDLE_EXIT and NUM_SPLITS > 1 and FUSED_REDUCE
+    if PDL > 0 and not EARLY_EXIT:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2:
+    if PDL == 2 and not EARLY_EXIT:
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
@@ -496,6 +498,18 @@ def _paged_attention_kernel(
         active = tl.cdiv(num_keys, per_split)
         key_lo = split * per_split
         key_hi = tl.minimum(key_lo + per_split, num_keys)
+    if EARLY_EXIT:
+        # Only the step's metadata is read so far, written before the forward began, never by
+        # the kernel ahead. A split past the sequence's keys has nothing to do (split 0 writes
+        # the cache): it returns without waiting, where it would otherwise hold an SM at the
+        # wait and load q, k and v for nothing. At batch 1 the grid has 33 splits a KV head
+        # (the table's width decides), of which 1-3 hold keys at contexts up to 160.
+        if (split >= active) & (split > 0):
+            return
+        if PDL > 0:
+            tl.extra.cuda.gdc_wait()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -854,6 +868,15 @@ def choose_num_splits(
 
 
 @functools.cache
+def _idle_exit() -> bool:
+    """COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1: decode splits that hold no keys return before the
+    PDL wait (an A/B switch, off by default until measured)."""
+    return env_switch(
+        "COMPILE_ENGINE_ATTENTION_IDLE_EXIT", default=False, error=PagedAttentionKernelError
+    )
+
+
+@functools.cache
 def _splits_cap() -> int:
     """COMPILE_ENGINE_DECODE_SPLITS=1: no split-KV (an A/B switch); unset: by shapes."""
     value = os.environ.get("COMPILE_ENGINE_DECODE_SPLITS", "").strip()
@@ -1123,6 +1146,7 @@ def _launch_single(
             # A register cap, where a config sets one: more programs resident an SM.
             **{k: config[k] for k in ("maxnreg",) if k in config},
             PDL=pdl,
+            IDLE_EXIT=_idle_exit(),
             **pdl_launch(pdl > 0),
         )
         if num_splits > 1 and not _FUSED_REDUCE:

@@ -9,6 +9,8 @@ reports the replay's time a layer against the full chain:
   - own key only: one cached key fewer than the token (context 1: no key loop);
   - unrotated: q and k arrive rotated (no position and cos/sin loads);
   - one split: num_splits=1 (no partials' store, arrival and reload);
+  - idle splits exit: COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1 (splits with no keys return
+    before the PDL wait; added after the run below);
   - PDL off: every launch plain.
 Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
 engine's at max_model_len 131,072 (so the split choice is the engine's: 33 splits, of which 2
@@ -156,6 +158,11 @@ def main() -> None:
     for _ in range(2):  # two rounds, variants alternating, against clock drift
         for name, fn in variants.items():
             results.setdefault(name, []).append(replay_us(fn))
+    os.environ["COMPILE_ENGINE_ATTENTION_IDLE_EXIT"] = "1"
+    pa._idle_exit.cache_clear()
+    results["idle splits exit"] = [replay_us(variants["full chain"]) for _ in range(2)]
+    os.environ["COMPILE_ENGINE_ATTENTION_IDLE_EXIT"] = "0"
+    pa._idle_exit.cache_clear()
     os.environ[PDL_ENV] = "0"
     pdl_settings.cache_clear()
     results["PDL off (full chain)"] = [replay_us(variants["full chain"]) for _ in range(2)]

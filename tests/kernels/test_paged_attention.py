@@ -109,13 +109,15 @@ def test_split_partials_cover_many_splits():
         ("MIN_SPLIT_KEYS", 32),
         ("BLOCK_N", 32),
         ("maxnreg", 128),  # a config with a register cap launches (the interpreter ignores it)
+        ("_idle_exit", lambda: True),  # splits past a sequence's keys return at once
     ],
+    ids=["unfused-reduce", "combine-2", "min-split-32", "block-32", "maxnreg", "idle-exit"],
 )
 def test_decode_variants(monkeypatch: pytest.MonkeyPatch, setting: str, value):
     # The split reduction fused (the last split combines, COMBINE_S splits a load) or a second
-    # kernel, the keys a split takes at least, the key tile: every variant the configs may
-    # pick matches the reference, with padding, an empty sequence between, and sequences
-    # shorter and longer than a split.
+    # kernel, the keys a split takes at least, the key tile, splits without keys returning at
+    # once (COMPILE_ENGINE_ATTENTION_IDLE_EXIT): every variant matches the reference, with
+    # padding, an empty sequence between, and sequences shorter and longer than a split.
     if setting.startswith("_"):
         monkeypatch.setattr(pa, setting, value)
     else:
