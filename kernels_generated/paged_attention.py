@@ -18,8 +18,12 @@ packed batch that mixes prefill chunks and decode tokens:
 - Split-KV for long contexts at small batch: grid `(T, Hkv, S)`, S chosen from shapes only
   (when T * Hkv programs would leave SMs idle; the block table's width bounds the context).
   The kernel shares a sequence's keys among min(S, keys / MIN_SPLIT_KEYS) splits, computed
-  from seq_len, so a short sequence in a wide table takes one split and the rest return at
-  once. A lone split writes the output; otherwise each writes a partial (max, sum,
+  from seq_len, so a short sequence in a wide table takes one split and the rest find no keys
+  (they still wait for the kernel ahead and load the token's q, k and v, storing nothing;
+  with COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1 they return before the wait, an A/B switch not yet
+  measured; COMPILE_ENGINE_DECODE_SPLITS=1 turns split-KV off, +0.56% at batch 1 and context
+  33-160 but slower at long contexts: docs/compiler.md, section 5, item 10). A lone split
+  writes the output; otherwise each writes a partial (max, sum,
   unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
   counter per (token, KV head), zeroed again by that program) combines them: no second
   kernel, no memset, CUDA-graph safe.
