@@ -18,8 +18,8 @@ hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds):
 121.70 / 122.73, none 114.03 / 114.76 (attention costs 7.8), alone 6.31 / 6.26, own key only
 118.57 / 118.54 (the 100 cached keys cost 3.65), unrotated 122.13 / 122.36 (rotary costs
 nothing), one split 121.17 / 121.28 (1 us less), PDL off 126.06 / 126.11 (docs/compiler.md,
-section 5, item 10). On the device, after
-decode_bench.sh's wheel install line (carry [".whl"]):
+section 5, item 10); that run timed its own graph replays, since then `bench gemm`'s. On the
+device, after decode_bench.sh's wheel install line (carry [".whl"]):
     PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
 """
 
@@ -33,6 +33,7 @@ import statistics
 import torch
 
 import kernels_generated.paged_attention as pa
+from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
 from kernels_generated.device import PDL_ENV, pdl_settings
 
@@ -112,25 +113,9 @@ def attention_alone(layers, meta, q, k, v):
         )  # fmt: skip
 
 
-def replay_us(fn, replays: int = 30) -> float:
-    """Median time of one replay of `fn` captured in a CUDA graph, in us a layer."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return statistics.median(times)
+def replay_us(fn) -> float:
+    """Median time of `fn` replayed from a CUDA graph (`bench gemm`'s timing), in us a layer."""
+    return graph_time_us([fn], replays=30) / LAYERS
 
 
 def main() -> None:
