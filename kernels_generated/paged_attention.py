@@ -78,7 +78,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import random
 from dataclasses import dataclass
 
@@ -861,7 +860,7 @@ def choose_num_splits(
     (one below 2 x MIN_SPLIT_KEYS keys), so a wide table costs little at short context."""
     programs = num_tokens * num_kv_heads
     sms = sm_count(device)
-    if programs >= sms or _splits_cap() == 1:
+    if programs >= sms or _one_split():
         return 1
     splits = min(
         triton.cdiv(2 * sms, programs),
@@ -881,12 +880,12 @@ def _idle_exit() -> bool:
 
 
 @functools.cache
-def _splits_cap() -> int:
-    """COMPILE_ENGINE_DECODE_SPLITS=1: no split-KV (an A/B switch); unset: by shapes."""
-    value = os.environ.get("COMPILE_ENGINE_DECODE_SPLITS", "").strip()
-    if value not in ("", "1"):
-        raise PagedAttentionKernelError(f"COMPILE_ENGINE_DECODE_SPLITS={value!r}: set 1 or unset")
-    return 1 if value == "1" else 0
+def _one_split() -> bool:
+    """COMPILE_ENGINE_DECODE_SPLITS=1: no split-KV however long the context (an A/B switch);
+    0 or unset: by shapes."""
+    return env_switch(
+        "COMPILE_ENGINE_DECODE_SPLITS", default=False, error=PagedAttentionKernelError
+    )
 
 
 _MIN_COUNTERS = 4096  # more than any automatic choice needs (T x Hkv below the SM count)

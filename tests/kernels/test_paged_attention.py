@@ -319,17 +319,17 @@ def test_decode_splits_switch(monkeypatch: pytest.MonkeyPatch):
     cpu = torch.device("cpu")
     try:
         monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "1")
-        pa._splits_cap.cache_clear()
+        pa._one_split.cache_clear()
         assert pa.choose_num_splits(1, 2, 32768, cpu) == 1
-        monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "4")
-        pa._splits_cap.cache_clear()
-        with pytest.raises(pa.PagedAttentionKernelError, match="set 1 or unset"):
+        monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "4")  # not a count
+        pa._one_split.cache_clear()
+        with pytest.raises(pa.PagedAttentionKernelError, match="set it to 1 .on. or 0"):
             pa.choose_num_splits(1, 2, 32768, cpu)
         monkeypatch.delenv("COMPILE_ENGINE_DECODE_SPLITS")
-        pa._splits_cap.cache_clear()
+        pa._one_split.cache_clear()
         assert pa.choose_num_splits(1, 2, 32768, cpu) > 1
     finally:
-        pa._splits_cap.cache_clear()
+        pa._one_split.cache_clear()
 
 
 def test_rejects_unsupported_head_dim():
