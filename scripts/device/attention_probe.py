@@ -12,6 +12,9 @@ reports the replay's time a layer against the full chain:
   - idle splits exit: COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1 (splits with no keys return
     before the PDL wait; added after the run below);
   - PDL off: every launch plain.
+Then the split choice from short contexts to long (40 to 4,000 keys): the table's, with
+the idle splits' exit, with a larger MIN_SPLIT_KEYS too, and one split (added after the run
+below).
 Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
 engine's at max_model_len 131,072 (so the split choice is the engine's: 33 splits, of which 2
 hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds): full chain
@@ -26,6 +29,7 @@ device, after decode_bench.sh's wheel install line (carry [".whl"]):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +43,9 @@ from kernels_generated.device import PDL_ENV, pdl_settings
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4096, 32, 8, 128, 14336
 BLOCK, TABLE_WIDTH, CONTEXT = 16, 131072 // 16, 100
+SWEEP_CONTEXTS = (40, 100, 160, 1000, 4000)
+NUM_BLOCKS = -(-(max(SWEEP_CONTEXTS) + 1) // BLOCK) + 2  # each layer's cache, scratch block 0
+IDLE_EXIT_ENV = "COMPILE_ENGINE_ATTENTION_IDLE_EXIT"
 DEV, DT = "cuda", torch.bfloat16
 
 
@@ -54,9 +61,9 @@ def weights(gen: torch.Generator) -> list[dict]:
             "down": rand(HIDDEN, INTER),
             "norm1": torch.ones(HIDDEN, device=DEV, dtype=DT),
             "norm2": torch.ones(HIDDEN, device=DEV, dtype=DT),
-            "cache": torch.randn(2, 16, BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(
-                DT
-            ),
+            "cache": torch.randn(
+                2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=DEV
+            ).to(DT),
         }
         for _ in range(LAYERS)
     ]
@@ -65,8 +72,9 @@ def weights(gen: torch.Generator) -> list[dict]:
 def step_inputs(context: int) -> dict:
     """One decode token at position `context` (its sequence context + 1 keys long)."""
     layout = pa.paged_layout(
-        [1], [context + 1], block_size=BLOCK, device=DEV, table_width=TABLE_WIDTH, num_blocks=16
-    )
+        [1], [context + 1], block_size=BLOCK, device=DEV, table_width=TABLE_WIDTH,
+        num_blocks=NUM_BLOCKS,
+    )  # fmt: skip
     batch = pa.make_batch([1], [context + 1], dtype=DT, device=DEV, num_q_heads=HEADS,
                           num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK)  # fmt: skip
     _, _, _, positions, table = pa.rotary_inputs(batch, HEAD_DIM)
@@ -118,6 +126,37 @@ def replay_us(fn) -> float:
     return graph_time_us([fn], replays=30) / LAYERS
 
 
+@contextlib.contextmanager
+def attention_setting(idle_exit: bool = False, min_split_keys: int | None = None):
+    """COMPILE_ENGINE_ATTENTION_IDLE_EXIT and the batch-1 config's MIN_SPLIT_KEYS for a while."""
+    config = pa._CONFIGS["cuda"][0][1]  # the config of launches from 1 token
+    saved = dict(config)
+    os.environ[IDLE_EXIT_ENV] = "1" if idle_exit else "0"
+    pa._idle_exit.cache_clear()
+    if min_split_keys is not None:
+        config["MIN_SPLIT_KEYS"] = min_split_keys
+    try:
+        yield
+    finally:
+        config.clear()
+        config.update(saved)
+        os.environ[IDLE_EXIT_ENV] = "0"
+        pa._idle_exit.cache_clear()
+
+
+def timed(fn, **setting) -> float:
+    with attention_setting(**setting):
+        return replay_us(fn)
+
+
+def print_rows(title: str, results: dict, base: str) -> None:
+    print(title)
+    ref = statistics.mean(results[base])
+    for name, us in results.items():
+        mean = statistics.mean(us)
+        print(f"  {name:<34} {us[0]:7.2f} {us[1]:7.2f}   vs {base} {mean - ref:+6.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -131,34 +170,52 @@ def main() -> None:
     k = torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
     v = torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
     splits = pa.choose_num_splits(1, KV_HEADS, TABLE_WIDTH * BLOCK, torch.device(DEV))
-    variants = {
-        "full chain": lambda: forward(layers, meta, x, residual),
-        "none": lambda: forward(layers, meta, x, residual, attention="none"),
-        "alone": lambda: attention_alone(layers, meta, q, k, v),
-        "own key only": lambda: forward(layers, short, x, residual),
-        "unrotated": lambda: forward(layers, meta, x, residual, rotary=False),
-        "one split": lambda: forward(layers, meta, x, residual, num_splits=1),
+    ablations = {
+        "full chain": (lambda: forward(layers, meta, x, residual), {}),
+        "none": (lambda: forward(layers, meta, x, residual, attention="none"), {}),
+        "alone": (lambda: attention_alone(layers, meta, q, k, v), {}),
+        "own key only": (lambda: forward(layers, short, x, residual), {}),
+        "unrotated": (lambda: forward(layers, meta, x, residual, rotary=False), {}),
+        "one split": (lambda: forward(layers, meta, x, residual, num_splits=1), {}),
+        "idle splits exit": (lambda: forward(layers, meta, x, residual), {"idle_exit": True}),
     }
-    results = {}
+    ablation = {}
     for _ in range(2):  # two rounds, variants alternating, against clock drift
-        for name, fn in variants.items():
-            results.setdefault(name, []).append(replay_us(fn))
-    os.environ["COMPILE_ENGINE_ATTENTION_IDLE_EXIT"] = "1"
-    pa._idle_exit.cache_clear()
-    results["idle splits exit"] = [replay_us(variants["full chain"]) for _ in range(2)]
-    os.environ["COMPILE_ENGINE_ATTENTION_IDLE_EXIT"] = "0"
-    pa._idle_exit.cache_clear()
+        for name, (fn, setting) in ablations.items():
+            ablation.setdefault(name, []).append(timed(fn, **setting))
+    # How a batch-1 split choice fares from short contexts to long: the table's (33 splits
+    # sharing a sequence's keys at least MIN_SPLIT_KEYS each), with splits past the keys
+    # returning at once, with a larger MIN_SPLIT_KEYS too, and no split at all.
+    choices = {
+        "table": {},
+        "idle exit": {"idle_exit": True},
+        "idle exit, MIN_SPLIT_KEYS 128": {"idle_exit": True, "min_split_keys": 128},
+        "idle exit, MIN_SPLIT_KEYS 256": {"idle_exit": True, "min_split_keys": 256},
+        "one split": {"num_splits": 1},
+    }
+    sweep: dict[int, dict] = {}
+    for context in SWEEP_CONTEXTS:
+        step = step_inputs(context)
+        for _ in range(2):
+            for name, choice in choices.items():
+                splits_arg = {"num_splits": choice["num_splits"]} if "num_splits" in choice else {}
+                setting = {key: val for key, val in choice.items() if key != "num_splits"}
+                fn = lambda step=step, kw=splits_arg: forward(layers, step, x, residual, **kw)  # noqa: E731
+                sweep.setdefault(context, {}).setdefault(name, []).append(timed(fn, **setting))
     os.environ[PDL_ENV] = "0"
     pdl_settings.cache_clear()
-    results["PDL off (full chain)"] = [replay_us(variants["full chain"]) for _ in range(2)]
-    full = statistics.mean(results["full chain"])
-    print(f"batch 1, context {CONTEXT}, {splits} splits chosen; us a layer (2 rounds):")
-    for name, us in results.items():
-        mean = statistics.mean(us)
-        print(f"  {name:<22} {us[0]:7.2f} {us[1]:7.2f}   vs full {mean - full:+6.2f}")
+    ablation["PDL off (full chain)"] = [replay_us(ablations["full chain"][0]) for _ in range(2)]
+    print_rows(
+        f"batch 1, context {CONTEXT}, {splits} splits chosen; us a layer (2 rounds):",
+        ablation,
+        "full chain",
+    )
+    for context, results in sweep.items():
+        print_rows(f"context {context}, us a layer (2 rounds):", results, "table")
     if args.out:
+        record = {"context": CONTEXT, "splits": splits, "us_per_layer": ablation, "sweep": sweep}
         with open(args.out, "w") as f:
-            json.dump({"context": CONTEXT, "splits": splits, "us_per_layer": results}, f, indent=2)
+            json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":
