@@ -73,6 +73,7 @@ from triton.runtime.jit import JITFunction
 from kernels_generated.configs import CONFIG_DIR, ConfigEntry, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
 from kernels_generated.device import (
+    env_switch,
     pdl_enabled,
     pdl_launch,
     pdl_mode,
@@ -133,6 +134,7 @@ def _skinny_gemm_kernel(
     # its slice, n > 0 its first n K-tiles
     NORM: tl.constexpr = 0,  # x := rms_norm(x + residual) * g on the fly: 1 two passes, 2 one
     GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
+    DEFER: tl.constexpr = False,  # NORM 2: squares summed per element, reduced after the loop
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -181,6 +183,7 @@ def _skinny_gemm_kernel(
         r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
         g_ptrs = g_ptr + k_start + offs_k
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        square_tiles = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if NORM == 1:
         # Two passes (a split K-slice needs the whole row's mean of squares first): every
         # program reads its rows of x and the residual once more (at most NORM_MAX_ROWS rows
@@ -234,7 +237,13 @@ def _skinny_gemm_kernel(
                 # the rows at the end. No second read of x and the residual ahead of the
                 # weight stream; the normalised row is not rounded before the weight scales
                 # it, so the result differs from HF's by that rounding, not more.
-                squares += tl.sum(row.to(tl.float32) * row.to(tl.float32), axis=1)
+                if DEFER:
+                    # Element by element, in registers: a row sum every K-tile is a
+                    # cross-warp reduction (shuffles, shared memory and a barrier) inside
+                    # the loop that streams the weight.
+                    square_tiles += row.to(tl.float32) * row.to(tl.float32)
+                else:
+                    squares += tl.sum(row.to(tl.float32) * row.to(tl.float32), axis=1)
                 x = (g[None, :].to(tl.float32) * row.to(tl.float32)).to(x.dtype)
             r_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
@@ -285,6 +294,8 @@ def _skinny_gemm_kernel(
                 mask=in_row,
             )
     if NORM == 2:
+        if DEFER:
+            squares = tl.sum(square_tiles, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
         if MODE == 0:
             acc = acc * rstd[:, None]
@@ -448,6 +459,15 @@ def add_rms_norm_gemm(
     return _launch(x, w, (residual, norm_weight, eps), launch, gated)
 
 
+@functools.cache
+def _defer_squares() -> bool:
+    """COMPILE_ENGINE_NORM_DEFER_SUM=1: the one-pass fused norm sums its squares element by
+    element and reduces them once after the weight loop, not per K-tile (an A/B switch, off
+    until measured). In an offline sm_90 compile of the batch-1 qkv launch the loop body
+    loses its 80 shuffles and 3 of its 5 barriers a K-tile (gate_up's: 42 and 3 of 7)."""
+    return env_switch("COMPILE_ENGINE_NORM_DEFER_SUM", default=False)
+
+
 def _launch(
     x: Tensor,
     w: Tensor,
@@ -523,6 +543,7 @@ def _launch(
             PREFETCH=prefetch_tiles(x, w, block_k, even_k) if pdl > 0 else 0,
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
+            DEFER=_defer_squares(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl_launch(pdl > 0),

@@ -181,6 +181,24 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
 
 
 @interpreted
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows,k_size", [(1, 80), (3, 72), (16, 64)])
+def test_interpreted_fused_norm_deferred_squares(monkeypatch, rows, k_size, gated):
+    # COMPILE_ENGINE_NORM_DEFER_SUM: the squares summed per element and reduced after the
+    # weight loop give the reference's output and residual sum, uneven K included.
+    monkeypatch.setattr(k, "_defer_squares", lambda: True)
+    x, w = _inputs(rows, 80 if gated else 40, k_size, torch.float32)
+    residual, norm_weight = _norm_inputs(rows, k_size, torch.float32)
+    got, summed = k.add_rms_norm_gemm(
+        x, residual, norm_weight, 1e-5, w, gated=gated, mode="swap", block_m=16, block_n=16,
+        block_k=32,
+    )  # fmt: skip
+    want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w, gated)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@interpreted
 @pytest.mark.parametrize("per_sm", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_interpreted_fused_norm_with_ragged_rows(rows, per_sm):
