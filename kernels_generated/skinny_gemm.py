@@ -73,7 +73,7 @@ from triton.runtime.jit import JITFunction
 from kernels_generated.configs import CONFIG_DIR, ConfigEntry, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
 from kernels_generated.device import (
-    env_switch,
+    ab_switch,
     pdl_enabled,
     pdl_launch,
     pdl_mode,
@@ -94,6 +94,11 @@ MODES = {"dot": 0, "swap": 1, "fma": 2}
 # The fused norm (add_rms_norm_gemm) re-reads x and the residual in every program: for the few
 # rows of a batch-1..16 decode step, a few KB to 128 KB from L2 against the norm kernel it saves.
 NORM_MAX_ROWS = 16
+# COMPILE_ENGINE_NORM_DEFER_SUM=1 (device.ab_switch, off until measured): the one-pass fused
+# norm sums its squares element by element and reduces them once after the weight loop, not
+# per K-tile. In an offline sm_90 compile of the batch-1 qkv launch the loop body loses its 80
+# shuffles and 3 of its 5 barriers a K-tile (gate_up's: 42 and 3 of 7).
+DEFER_SUM_ENV = "COMPILE_ENGINE_NORM_DEFER_SUM"
 KERNELS = ("triton", "cublas", "cublaslt")  # what a tuned entry may run
 
 
@@ -183,7 +188,8 @@ def _skinny_gemm_kernel(
         r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
         g_ptrs = g_ptr + k_start + offs_k
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        square_tiles = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if DEFER:
+            square_tiles = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if NORM == 1:
         # Two passes (a split K-slice needs the whole row's mean of squares first): every
         # program reads its rows of x and the residual once more (at most NORM_MAX_ROWS rows
@@ -459,15 +465,6 @@ def add_rms_norm_gemm(
     return _launch(x, w, (residual, norm_weight, eps), launch, gated)
 
 
-@functools.cache
-def _defer_squares() -> bool:
-    """COMPILE_ENGINE_NORM_DEFER_SUM=1: the one-pass fused norm sums its squares element by
-    element and reduces them once after the weight loop, not per K-tile (an A/B switch, off
-    until measured). In an offline sm_90 compile of the batch-1 qkv launch the loop body
-    loses its 80 shuffles and 3 of its 5 barriers a K-tile (gate_up's: 42 and 3 of 7)."""
-    return env_switch("COMPILE_ENGINE_NORM_DEFER_SUM", default=False)
-
-
 def _launch(
     x: Tensor,
     w: Tensor,
@@ -543,7 +540,7 @@ def _launch(
             PREFETCH=prefetch_tiles(x, w, block_k, even_k) if pdl > 0 else 0,
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
-            DEFER=_defer_squares(),
+            DEFER=norm is not None and split_k == 1 and ab_switch(DEFER_SUM_ENV),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl_launch(pdl > 0),

@@ -39,13 +39,12 @@ import torch
 import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
-from kernels_generated.device import PDL_ENV, pdl_settings
+from kernels_generated.device import PDL_ENV, ab_switch, pdl_settings
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4096, 32, 8, 128, 14336
 BLOCK, TABLE_WIDTH, CONTEXT = 16, 131072 // 16, 100
 SWEEP_CONTEXTS = (40, 100, 160, 1000, 4000)
 NUM_BLOCKS = -(-(max(SWEEP_CONTEXTS) + 1) // BLOCK) + 2  # each layer's cache, scratch block 0
-IDLE_EXIT_ENV = "COMPILE_ENGINE_ATTENTION_IDLE_EXIT"
 DEV, DT = "cuda", torch.bfloat16
 
 
@@ -131,8 +130,8 @@ def attention_setting(idle_exit: bool = False, min_split_keys: int | None = None
     """COMPILE_ENGINE_ATTENTION_IDLE_EXIT and the batch-1 config's MIN_SPLIT_KEYS for a while."""
     config = pa._CONFIGS["cuda"][0][1]  # the config of launches from 1 token
     saved = dict(config)
-    os.environ[IDLE_EXIT_ENV] = "1" if idle_exit else "0"
-    pa._idle_exit.cache_clear()
+    os.environ[pa.IDLE_EXIT_ENV] = "1" if idle_exit else "0"
+    ab_switch.cache_clear()
     if min_split_keys is not None:
         config["MIN_SPLIT_KEYS"] = min_split_keys
     try:
@@ -140,8 +139,8 @@ def attention_setting(idle_exit: bool = False, min_split_keys: int | None = None
     finally:
         config.clear()
         config.update(saved)
-        os.environ[IDLE_EXIT_ENV] = "0"
-        pa._idle_exit.cache_clear()
+        os.environ[pa.IDLE_EXIT_ENV] = "0"
+        ab_switch.cache_clear()
 
 
 def timed(fn, **setting) -> float:

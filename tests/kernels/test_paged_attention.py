@@ -22,7 +22,7 @@ import torch
 
 from kernels_generated import paged_attention as pa
 from kernels_generated.counters import ALLOCATED
-from kernels_generated.device import CPU_SM_COUNT
+from kernels_generated.device import CPU_SM_COUNT, ab_switch
 from models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -109,16 +109,20 @@ def test_split_partials_cover_many_splits():
         ("MIN_SPLIT_KEYS", 32),
         ("BLOCK_N", 32),
         ("maxnreg", 128),  # a config with a register cap launches (the interpreter ignores it)
-        ("_idle_exit", lambda: True),  # splits past a sequence's keys return at once
+        ("IDLE_EXIT_ENV", "1"),  # splits past a sequence's keys return at once
     ],
     ids=["unfused-reduce", "combine-2", "min-split-32", "block-32", "maxnreg", "idle-exit"],
 )
-def test_decode_variants(monkeypatch: pytest.MonkeyPatch, setting: str, value):
+def test_decode_variants(request, monkeypatch: pytest.MonkeyPatch, setting: str, value):
     # The split reduction fused (the last split combines, COMBINE_S splits a load) or a second
     # kernel, the keys a split takes at least, the key tile, splits without keys returning at
     # once (COMPILE_ENGINE_ATTENTION_IDLE_EXIT): every variant matches the reference, with
     # padding, an empty sequence between, and sequences shorter and longer than a split.
-    if setting.startswith("_"):
+    if setting.endswith("_ENV"):
+        monkeypatch.setenv(getattr(pa, setting), value)
+        ab_switch.cache_clear()
+        request.addfinalizer(ab_switch.cache_clear)  # after monkeypatch restores the variable
+    elif setting.startswith("_"):
         monkeypatch.setattr(pa, setting, value)
     else:
         [(least, config)] = pa._CONFIGS["cpu"]
@@ -319,17 +323,17 @@ def test_decode_splits_switch(monkeypatch: pytest.MonkeyPatch):
     cpu = torch.device("cpu")
     try:
         monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "1")
-        pa._one_split.cache_clear()
+        ab_switch.cache_clear()
         assert pa.choose_num_splits(1, 2, 32768, cpu) == 1
         monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "4")  # not a count
-        pa._one_split.cache_clear()
+        ab_switch.cache_clear()
         with pytest.raises(pa.PagedAttentionKernelError, match="set it to 1 .on. or 0"):
             pa.choose_num_splits(1, 2, 32768, cpu)
         monkeypatch.delenv("COMPILE_ENGINE_DECODE_SPLITS")
-        pa._one_split.cache_clear()
+        ab_switch.cache_clear()
         assert pa.choose_num_splits(1, 2, 32768, cpu) > 1
     finally:
-        pa._one_split.cache_clear()
+        ab_switch.cache_clear()
 
 
 def test_rejects_unsupported_head_dim():

@@ -183,10 +183,14 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
 @interpreted
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows,k_size", [(1, 80), (3, 72), (16, 64)])
-def test_interpreted_fused_norm_deferred_squares(monkeypatch, rows, k_size, gated):
+def test_interpreted_fused_norm_deferred_squares(request, monkeypatch, rows, k_size, gated):
     # COMPILE_ENGINE_NORM_DEFER_SUM: the squares summed per element and reduced after the
     # weight loop give the reference's output and residual sum, uneven K included.
-    monkeypatch.setattr(k, "_defer_squares", lambda: True)
+    from kernels_generated.device import ab_switch
+
+    monkeypatch.setenv(k.DEFER_SUM_ENV, "1")
+    ab_switch.cache_clear()
+    request.addfinalizer(ab_switch.cache_clear)  # after monkeypatch restores the variable
     x, w = _inputs(rows, 80 if gated else 40, k_size, torch.float32)
     residual, norm_weight = _norm_inputs(rows, k_size, torch.float32)
     got, summed = k.add_rms_norm_gemm(
