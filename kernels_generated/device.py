@@ -86,11 +86,10 @@ def env_switch(name: str, default: bool, error: type[Exception] = ValueError) ->
 
 
 @functools.cache
-def ab_switch(name: str, error: type[Exception] = ValueError) -> bool:
-    """An experiment's on/off setting, off unless the environment sets it to 1 (`env_switch`),
-    read once per process: a CUDA graph fixes it at capture (`ab_switch.cache_clear()`
-    re-reads them all)."""
-    return env_switch(name, default=False, error=error)
+def ab_switch(name: str, error: type[Exception] = ValueError, default: bool = False) -> bool:
+    """A kernel variant's on/off setting for A/B runs (`env_switch`), read once per process: a
+    CUDA graph fixes it at capture (`ab_switch.cache_clear()` re-reads them all)."""
+    return env_switch(name, default=default, error=error)
 
 
 def _whole_number(name: str, what: str, default: int = 0) -> int:

@@ -94,10 +94,12 @@ MODES = {"dot": 0, "swap": 1, "fma": 2}
 # The fused norm (add_rms_norm_gemm) re-reads x and the residual in every program: for the few
 # rows of a batch-1..16 decode step, a few KB to 128 KB from L2 against the norm kernel it saves.
 NORM_MAX_ROWS = 16
-# COMPILE_ENGINE_NORM_DEFER_SUM=1 (device.ab_switch, off until measured): the one-pass fused
-# norm sums its squares element by element and reduces them once after the weight loop, not
-# per K-tile. In an offline sm_90 compile of the batch-1 qkv launch the loop body loses its 80
-# shuffles and 3 of its 5 barriers a K-tile (gate_up's: 42 and 3 of 7).
+# The one-pass fused norm sums its squares element by element and reduces them once after the
+# weight loop, not per K-tile: in an offline sm_90 compile of the batch-1 qkv launch the loop
+# body loses its 80 shuffles and 3 of its 5 barriers a K-tile (gate_up's: 42 and 3 of 7). In
+# the engine on the H200 (`bench latency`, batch 1, two rounds, the order reversed, 908d9f3):
+# 248.1 / 248.1 against 245.9 / 245.9 tok/s. COMPILE_ENGINE_NORM_DEFER_SUM=0 (device.ab_switch)
+# sums per K-tile as before, for A/B runs; batches of 2-16 rows were not timed either way.
 DEFER_SUM_ENV = "COMPILE_ENGINE_NORM_DEFER_SUM"
 KERNELS = ("triton", "cublas", "cublaslt")  # what a tuned entry may run
 
@@ -540,7 +542,7 @@ def _launch(
             PREFETCH=prefetch_tiles(x, w, block_k, even_k) if pdl > 0 else 0,
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
-            DEFER=norm is not None and split_k == 1 and ab_switch(DEFER_SUM_ENV),
+            DEFER=norm is not None and split_k == 1 and ab_switch(DEFER_SUM_ENV, default=True),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl_launch(pdl > 0),

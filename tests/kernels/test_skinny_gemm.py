@@ -183,12 +183,14 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
 @interpreted
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows,k_size", [(1, 80), (3, 72), (16, 64)])
-def test_interpreted_fused_norm_deferred_squares(request, monkeypatch, rows, k_size, gated):
-    # COMPILE_ENGINE_NORM_DEFER_SUM: the squares summed per element and reduced after the
-    # weight loop give the reference's output and residual sum, uneven K included.
+@pytest.mark.parametrize("defer", ["1", "0"])
+def test_interpreted_fused_norm_squares(request, monkeypatch, rows, k_size, gated, defer):
+    # The one-pass fused norm's squares summed per element and reduced after the weight loop
+    # (the default), or per K-tile (COMPILE_ENGINE_NORM_DEFER_SUM=0): both give the reference's
+    # output and residual sum, uneven K included.
     from kernels_generated.device import ab_switch
 
-    monkeypatch.setenv(k.DEFER_SUM_ENV, "1")
+    monkeypatch.setenv(k.DEFER_SUM_ENV, defer)
     ab_switch.cache_clear()
     request.addfinalizer(ab_switch.cache_clear)  # after monkeypatch restores the variable
     x, w = _inputs(rows, 80 if gated else 40, k_size, torch.float32)
