@@ -265,9 +265,8 @@ def breakdown(
     rows["logits, sampling launch, detokenize (rest)"] = step - sum(rows.values())
     device_ms = None
     graphs = runner.graphs
-    if graphs is not None:
-        size = graphs.padded_size(batch, batch)
-        graph = graphs.graphs[size]
+    if graphs is not None and graphs.last_key is not None:
+        graph = graphs.graphs[graphs.last_key]  # the last step's (a short-context one or not)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         start.record()

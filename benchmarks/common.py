@@ -73,6 +73,7 @@ def _graph_summary(graphs) -> dict | None:
     return {
         "num_graphs": len(graphs.graphs),
         "capture_sizes": graphs.sizes,
+        "short_context_widths": graphs.short_widths,
         "capture_seconds": round(graphs.capture_seconds, 2),
         "pool_gib": round(graphs.pool_bytes / 2**30, 3),
     }

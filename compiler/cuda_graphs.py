@@ -14,6 +14,15 @@ largest capture, the sequence-indexed ones (block tables, seq_lens, query_start_
 sequence (query_start_loc repeats the real token count), padded sequences have length 0.
 Graphs are captured largest first into one shared memory pool, so the pool is the size of
 the largest graph's activations, not the sum.
+
+Short-context graphs: at small batches paged attention splits each sequence's keys among up to
+33 programs a KV head, a count fixed at capture by the block table's width (max_model_len),
+and at short contexts all but one or two of them find no keys yet still launch, and the
+partials are combined. A launch on a table at most `UNSPLIT_KEYS` wide runs unsplit. So for
+each size where that differs, a second graph is captured on the first columns of the same
+block-table buffer, and a step whose widest table fits replays it (`short_table_widths`). At
+batch 1, Llama-3-8B on the H200, contexts 33-160: 247.5 / 247.3 tok/s against 245.9 / 245.9
+with the wide table's splits (docs/compiler.md, section 5, item 10).
 """
 
 from __future__ import annotations
@@ -54,6 +63,35 @@ def default_capture_sizes(
     return sizes + [top] if top > max(sizes[-1], 512) else sizes
 
 
+# The passes that lower attention to kernels_generated/paged_attention.py's kernel, whose split
+# count follows the block table's width.
+PAGED_ATTENTION_PASSES = ("paged_attention_triton", "rotary_into_attention")
+
+
+def short_table_widths(
+    match_counts: dict[str, int],
+    num_kv_heads: int,
+    capture_sizes: list[int],
+    block_size: int,
+    max_blocks_per_seq: int,
+    device: torch.device,
+) -> dict[int, int]:
+    """For each capture size whose paged attention runs unsplit on a narrower block table than
+    the full one (`unsplit_context`), that table's width in blocks: the runner captures a
+    second graph there. Empty when the compiled forward (its passes' `match_counts`) has no
+    paged-attention kernel."""
+    if not any(match_counts.get(name) for name in PAGED_ATTENTION_PASSES):
+        return {}
+    from kernels_generated.paged_attention import unsplit_context  # imported by those passes
+
+    widths = {}
+    for size in capture_sizes:
+        blocks = unsplit_context(size, num_kv_heads, device) // block_size
+        if 0 < blocks < max_blocks_per_seq:
+            widths[size] = blocks
+    return widths
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
@@ -64,9 +102,15 @@ class CUDAGraphRunner:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        short_widths: dict[int, int] | None = None,
     ) -> None:
+        """short_widths: capture size -> block-table width (blocks) of its short-context graph
+        (`short_table_widths`); none by default."""
         self.forward, self.kv_caches = forward, kv_caches
         self.sizes = sorted(set(capture_sizes))
+        self.short_widths = {
+            size: width for size, width in (short_widths or {}).items() if size in self.sizes
+        }
         self.max_num_seqs = max_num_seqs
         max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -77,17 +121,29 @@ class CUDAGraphRunner:
         )
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Keyed by (size, table width in blocks or None for the full table).
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
+        self.short_replays = 0  # steps that replayed a short-context graph
+        self.last_key: tuple[int, int | None] | None = None  # the graph replayed last
         self.pool = None
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0  # host time of the warm-up calls (part of capture_seconds)
         self.pool_bytes = 0
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _keys(self) -> list[tuple[int, int | None]]:
+        """Every graph's key, largest size first, a size's full-table graph before its short."""
+        keys = []
+        for size in reversed(self.sizes):
+            keys.append((size, None))
+            if size in self.short_widths:
+                keys.append((size, self.short_widths[size]))
+        return keys
+
+    def _meta(self, size: int, width: int | None = None) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables,
+            block_tables=self.block_tables if width is None else self.block_tables[:, :width],
             seq_lens=self.seq_lens,
             query_start_loc=self.query_start_loc,
         )
@@ -101,10 +157,10 @@ class CUDAGraphRunner:
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
 
-    def _warm_up(self, size: int) -> None:
+    def _warm_up(self, size: int, width: int | None = None) -> None:
         start = time.perf_counter()
         args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
-        self.forward(*args, self._meta(size))
+        self.forward(*args, self._meta(size, width))
         self.warmup_seconds += time.perf_counter() - start
 
     @torch.inference_mode()
@@ -112,11 +168,11 @@ class CUDAGraphRunner:
         """Run the forward once at every capture size on the all-padding batch, without
         graphs. A build calls this: a kernel's first launch at a size can compile a Triton
         specialisation (paged attention picks its split count and kernel variant from the
-        token count), and compiled here it lands in the artifact's Triton cache, so that the
-        capture at serve time only loads it."""
+        token count and the table's width), and compiled here it lands in the artifact's
+        Triton cache, so that the capture at serve time only loads it."""
         self.prepare_for_capture()
-        for size in reversed(self.sizes):
-            self._warm_up(size)
+        for size, width in self._keys():
+            self._warm_up(size, width)
         torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -127,24 +183,26 @@ class CUDAGraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._warm_up(size)  # lazy init (kernel loads, cuBLAS) outside the graph
+            for size, width in self._keys():
+                self._warm_up(size, width)  # lazy init (kernel loads, cuBLAS) outside the graph
                 args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self.forward(*args, self._meta(size))
+                    out = self.forward(*args, self._meta(size, width))
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[size], self.outputs[size] = graph, out
+                self.graphs[size, width], self.outputs[size, width] = graph, out
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved() - before
         log.info(
-            "captured %d CUDA graphs (%d..%d tokens) in %.1f s (%.1f s of it warm-up), %.2f GiB",
+            "captured %d CUDA graphs (%d..%d tokens, %d of them short-context) in %.1f s "
+            "(%.1f s of it warm-up), %.2f GiB",
             len(self.graphs),
             self.sizes[0],
             self.sizes[-1],
+            len(self.short_widths),
             self.capture_seconds,
             self.warmup_seconds,
             self.pool_bytes / 2**30,
@@ -179,11 +237,16 @@ class CUDAGraphRunner:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """Replay the graph of the smallest captured size that fits; None if none fits."""
+        """Replay the graph of the smallest captured size that fits, its short-context graph
+        when the step's block table is no wider than that graph's; None if no size fits."""
         n = input_ids.shape[0]
         size = self.padded_size(n, meta.seq_lens.shape[0])
         if size is None:
             return None
         self.prepare_for_replay(size, input_ids, positions, meta)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        short = self.short_widths.get(size)
+        key = (size, short if short is not None and meta.block_tables.shape[1] <= short else None)
+        self.short_replays += key[1] is not None
+        self.last_key = key
+        self.graphs[key].replay()
+        return self.outputs[key][:n]

@@ -19,11 +19,11 @@ packed batch that mixes prefill chunks and decode tokens:
   (when T * Hkv programs would leave SMs idle; the block table's width bounds the context).
   The kernel shares a sequence's keys among min(S, keys / MIN_SPLIT_KEYS) splits, computed
   from seq_len, so a short sequence in a wide table takes one split and the rest find no keys
-  (they still wait for the kernel ahead and load the token's q, k and v, storing nothing;
-  with COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1 they return before the wait, an A/B switch not yet
-  measured; COMPILE_ENGINE_DECODE_SPLITS=1 turns split-KV off, +0.56% at batch 1 and context
-  33-160 but slower at long contexts: docs/compiler.md, section 5, item 10). A lone split
-  writes the output; otherwise each writes a partial (max, sum,
+  (they still wait for the kernel ahead and load the token's q, k and v, storing nothing).
+  A table of at most UNSPLIT_KEYS keys runs unsplit at any batch: the runner replays a graph
+  captured on a table that narrow while a step's contexts fit (compiler/cuda_graphs.py;
+  docs/compiler.md, section 5, item 10). A lone split writes the output; otherwise each
+  writes a partial (max, sum,
   unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
   counter per (token, KV head), zeroed again by that program) combines them: no second
   kernel, no memset, CUDA-graph safe.
@@ -88,7 +88,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import ab_switch, env_switch, pdl_launch, pdl_mode, sm_count
+from kernels_generated.device import env_switch, pdl_launch, pdl_mode, sm_count
 from kernels_generated.rotary import rotary_triton
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
@@ -113,9 +113,24 @@ _MAX_SPLITS = 64
 # H200, so 256 tokens run in 3 waves; capped, 8 an SM (8 bytes spilled), 2 waves. Sweep at
 # 0c6c8eb: 37.9 / 170 / 985 us against 38.4 / 174 / 1,012 at 256 x 100 / 640 / 4k; at 64
 # tokens (one wave either way) the cap lost, 13.2 / 269 against 12.2 / 266 at 100 / 4k.
+# UNSPLIT_KEYS: a table at most this many keys wide takes one split. scripts/device/
+# attention_probe.py at 908d9f3, batch 1, 32 layers' decode kernels in one graph, one split
+# against the wide table's 33 (1-3 holding keys): -0.75 / -1.38 / +0.05 / +19.4 us a layer at
+# 40 / 100 / 160 / 1,000 keys; in the engine (`bench latency`, batch 1, contexts 33-160)
+# 247.5 / 247.3 against 245.9 / 245.9 tok/s. Measured at batch 1 only; 0 where a config does
+# not set it.
 _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
-        (1, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+        (
+            1,
+            {
+                "BLOCK_N": 64,
+                "num_warps": 4,
+                "num_stages": 2,
+                "MIN_SPLIT_KEYS": 64,
+                "UNSPLIT_KEYS": 160,
+            },
+        ),
         (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (
             100,
@@ -440,12 +455,10 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
     PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
     # it after the key loops (device.py)
-    IDLE_EXIT: tl.constexpr = False,  # splits with no keys return before the PDL wait
 ):
-    EARLY_EXIT: tl.constexpr = IDLE_EXIT and NUM_SPLITS > 1 and FUSED_REDUCE
-    if PDL > 0 and not EARLY_EXIT:
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2 and not EARLY_EXIT:
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
@@ -501,19 +514,6 @@ def _paged_attention_kernel(
         active = tl.cdiv(num_keys, per_split)
         key_lo = split * per_split
         key_hi = tl.minimum(key_lo + per_split, num_keys)
-    if EARLY_EXIT:
-        # Only the step's metadata is read so far, written before the forward began, never by
-        # the kernel ahead. A split past the sequence's keys has nothing to do (split 0 writes
-        # the cache): it returns without waiting, where it would otherwise hold an SM at the
-        # wait and load q, k and v for nothing. At batch 1 the grid has 33 splits a KV head
-        # (the table's width decides), of which 1-3 hold keys at contexts up to 160.
-        if (split >= active) & (split > 0):
-            return
-        if PDL > 0:
-            tl.extra.cuda.gdc_wait()
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
-
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
@@ -855,26 +855,32 @@ def choose_num_splits(
 ) -> int:
     """How many KV splits to use, from shapes only (never tensor values, so the choice is the
     same at capture and replay). 1 means the single-pass kernel. Splitting pays when the
-    T * Hkv programs would leave SMs idle; max_context is the block table's capacity, an
-    upper bound on any sequence's length. The kernel gives a short sequence fewer splits
-    (one below 2 x MIN_SPLIT_KEYS keys), so a wide table costs little at short context."""
+    T * Hkv programs would leave SMs idle and the context is long; max_context is the block
+    table's capacity, an upper bound on any sequence's length: at most the config's
+    UNSPLIT_KEYS, one split. The kernel gives a short sequence in a wide table fewer splits
+    (one below 2 x MIN_SPLIT_KEYS keys), but the rest still launch (`unsplit_context`)."""
     programs = num_tokens * num_kv_heads
     sms = sm_count(device)
-    if programs >= sms or ab_switch(ONE_SPLIT_ENV, PagedAttentionKernelError):
+    config = decode_config(num_tokens, device)
+    if programs >= sms or max_context <= config.get("UNSPLIT_KEYS", 0):
         return 1
     splits = min(
         triton.cdiv(2 * sms, programs),
-        triton.cdiv(max_context, decode_config(num_tokens, device)["MIN_SPLIT_KEYS"]),
+        triton.cdiv(max_context, config["MIN_SPLIT_KEYS"]),
         _MAX_SPLITS,
     )
     return max(splits, 1)
 
 
-# A/B switches (device.ab_switch), off by default: decode splits that hold no keys return
-# before the PDL wait (not yet measured); no split-KV however long the context (+0.56% at batch
-# 1 and contexts 33-160, slower at long contexts).
-IDLE_EXIT_ENV = "COMPILE_ENGINE_ATTENTION_IDLE_EXIT"
-ONE_SPLIT_ENV = "COMPILE_ENGINE_DECODE_SPLITS"
+def unsplit_context(num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
+    """The widest block table, in keys, on which a launch of these shapes runs unsplit while
+    wider ones split; 0 if there is none (the launch never splits, or always does). A CUDA
+    graph captured on a table that narrow skips split-KV's idle programs and combine for
+    steps whose contexts fit (compiler/cuda_graphs.py)."""
+    keys = decode_config(num_tokens, device).get("UNSPLIT_KEYS", 0)
+    if keys == 0 or choose_num_splits(num_tokens, num_kv_heads, 1 << 30, device) == 1:
+        return 0
+    return keys
 
 
 _MIN_COUNTERS = 4096  # more than any automatic choice needs (T x Hkv below the SM count)
@@ -1138,7 +1144,6 @@ def _launch_single(
             # A register cap, where a config sets one: more programs resident an SM.
             **{k: config[k] for k in ("maxnreg",) if k in config},
             PDL=pdl,
-            IDLE_EXIT=ab_switch(IDLE_EXIT_ENV, PagedAttentionKernelError),
             **pdl_launch(pdl > 0),
         )
         if num_splits > 1 and not _FUSED_REDUCE:

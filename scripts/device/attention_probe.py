@@ -9,19 +9,20 @@ reports the replay's time a layer against the full chain:
   - own key only: one cached key fewer than the token (context 1: no key loop);
   - unrotated: q and k arrive rotated (no position and cos/sin loads);
   - one split: num_splits=1 (no partials' store, arrival and reload);
-  - idle splits exit: COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1 (splits with no keys return
-    before the PDL wait; added after the run below);
   - PDL off: every launch plain.
-Then the split choice from short contexts to long (40 to 4,000 keys): the table's, with
-the idle splits' exit, with a larger MIN_SPLIT_KEYS too, and one split (added after the run
-below).
+Then the split choice from short contexts to long (40 to 4,000 keys): the wide table's, with
+a larger MIN_SPLIT_KEYS, and one split.
 Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
 engine's at max_model_len 131,072 (so the split choice is the engine's: 33 splits, of which 2
 hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds): full chain
 121.70 / 122.73, none 114.03 / 114.76 (attention costs 7.8), alone 6.31 / 6.26, own key only
 118.57 / 118.54 (the 100 cached keys cost 3.65), unrotated 122.13 / 122.36 (rotary costs
 nothing), one split 121.17 / 121.28 (1 us less), PDL off 126.06 / 126.11 (docs/compiler.md,
-section 5, item 10); that run timed its own graph replays, since then `bench gemm`'s. On the
+section 5, item 10); that run timed its own graph replays, since then `bench gemm`'s. At
+908d9f3 (the sweep's first run; a removed variant, splits without keys returning before the
+PDL wait, lost 0.3-0.6 us a layer everywhere), one split against the table's 33: -0.75 /
+-1.38 / +0.05 / +19.4 / +89.0 us a layer at 40 / 100 / 160 / 1,000 / 4,000 keys, hence a
+batch-1 launch on a table of <= 160 keys runs unsplit (`UNSPLIT_KEYS`). On the
 device, after decode_bench.sh's wheel install line (carry [".whl"]):
     PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
 """
@@ -39,7 +40,7 @@ import torch
 import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
-from kernels_generated.device import PDL_ENV, ab_switch, pdl_settings
+from kernels_generated.device import PDL_ENV, pdl_settings
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4096, 32, 8, 128, 14336
 BLOCK, TABLE_WIDTH, CONTEXT = 16, 131072 // 16, 100
@@ -126,12 +127,10 @@ def replay_us(fn) -> float:
 
 
 @contextlib.contextmanager
-def attention_setting(idle_exit: bool = False, min_split_keys: int | None = None):
-    """COMPILE_ENGINE_ATTENTION_IDLE_EXIT and the batch-1 config's MIN_SPLIT_KEYS for a while."""
+def attention_setting(min_split_keys: int | None = None):
+    """The batch-1 config's MIN_SPLIT_KEYS for a while."""
     config = pa._CONFIGS["cuda"][0][1]  # the config of launches from 1 token
     saved = dict(config)
-    os.environ[pa.IDLE_EXIT_ENV] = "1" if idle_exit else "0"
-    ab_switch.cache_clear()
     if min_split_keys is not None:
         config["MIN_SPLIT_KEYS"] = min_split_keys
     try:
@@ -139,8 +138,6 @@ def attention_setting(idle_exit: bool = False, min_split_keys: int | None = None
     finally:
         config.clear()
         config.update(saved)
-        os.environ[pa.IDLE_EXIT_ENV] = "0"
-        ab_switch.cache_clear()
 
 
 def timed(fn, **setting) -> float:
@@ -176,20 +173,18 @@ def main() -> None:
         "own key only": (lambda: forward(layers, short, x, residual), {}),
         "unrotated": (lambda: forward(layers, meta, x, residual, rotary=False), {}),
         "one split": (lambda: forward(layers, meta, x, residual, num_splits=1), {}),
-        "idle splits exit": (lambda: forward(layers, meta, x, residual), {"idle_exit": True}),
     }
     ablation = {}
     for _ in range(2):  # two rounds, variants alternating, against clock drift
         for name, (fn, setting) in ablations.items():
             ablation.setdefault(name, []).append(timed(fn, **setting))
     # How a batch-1 split choice fares from short contexts to long: the table's (33 splits
-    # sharing a sequence's keys at least MIN_SPLIT_KEYS each), with splits past the keys
-    # returning at once, with a larger MIN_SPLIT_KEYS too, and no split at all.
+    # sharing a sequence's keys at least MIN_SPLIT_KEYS each), with a larger MIN_SPLIT_KEYS,
+    # and no split at all.
     choices = {
         "table": {},
-        "idle exit": {"idle_exit": True},
-        "idle exit, MIN_SPLIT_KEYS 128": {"idle_exit": True, "min_split_keys": 128},
-        "idle exit, MIN_SPLIT_KEYS 256": {"idle_exit": True, "min_split_keys": 256},
+        "MIN_SPLIT_KEYS 128": {"min_split_keys": 128},
+        "MIN_SPLIT_KEYS 256": {"min_split_keys": 256},
         "one split": {"num_splits": 1},
     }
     sweep: dict[int, dict] = {}

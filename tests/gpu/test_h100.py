@@ -95,17 +95,29 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
 
 # Mixed batches: a prompt chunk of a sequence with cached tokens beside 3 decodes. 23 tokens
 # replay the 24-token graph (single-token attention kernel); 603 replay the 768-token one,
-# whose capture shape picks the tiled prefill kernel.
+# whose capture shape picks the tiled prefill kernel. Decode steps of 1-3 tokens replay the
+# 1- and 4-token graphs: their short-context graphs (10 blocks, one split) while every context
+# fits 160 keys, else the full table's (split-KV); one prompt chunk of 5 tokens, the short one.
 @pytest.mark.parametrize(
-    ("lens", "new", "graph_size"),
-    [([25, 9, 17, 33], [20, 1, 1, 1], 24), ([700, 9, 17, 33], [600, 1, 1, 1], 768)],
+    ("lens", "new", "graph"),
+    [
+        ([25, 9, 17, 33], [20, 1, 1, 1], (24, None)),
+        ([700, 9, 17, 33], [600, 1, 1, 1], (768, None)),
+        ([150, 40, 160], [1, 1, 1], (4, 10)),
+        ([150, 161, 9], [1, 1, 1], (4, None)),
+        ([100], [1], (1, 10)),
+        ([1500], [1], (1, None)),
+        ([37], [5], (8, 10)),
+    ],
 )
-def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, new, graph_size):
+def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, new, graph):
     from models.layers import AttentionMetadata
 
     runner = llm_4layers.engine.runner
+    graph_size = graph[0]
     assert runner.graphs is not None and graph_size in runner.graphs.sizes
     assert max(runner.graphs.sizes) == 1024
+    assert runner.graphs.short_widths == {size: 10 for size in (1, 2, 4, 8, 12, 16)}
     width = max(-(-n // 16) for n in lens)
     slots, ids, pos, starts, tables = [], [], [], [0], []
     next_block = 1
@@ -128,6 +140,7 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, ne
     with torch.inference_mode():
         graphed = runner.graphs.run(ids_t, pos_t, meta)
         assert graphed is not None, "the step did not replay a graph"
+        assert runner.graphs.last_key == graph
         graphed = graphed.float().clone()
         dev = [
             t.cuda()

@@ -22,7 +22,7 @@ import torch
 
 from kernels_generated import paged_attention as pa
 from kernels_generated.counters import ALLOCATED
-from kernels_generated.device import CPU_SM_COUNT, ab_switch
+from kernels_generated.device import CPU_SM_COUNT
 from models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -109,20 +109,15 @@ def test_split_partials_cover_many_splits():
         ("MIN_SPLIT_KEYS", 32),
         ("BLOCK_N", 32),
         ("maxnreg", 128),  # a config with a register cap launches (the interpreter ignores it)
-        ("IDLE_EXIT_ENV", "1"),  # splits past a sequence's keys return at once
     ],
-    ids=["unfused-reduce", "combine-2", "min-split-32", "block-32", "maxnreg", "idle-exit"],
+    ids=["unfused-reduce", "combine-2", "min-split-32", "block-32", "maxnreg"],
 )
-def test_decode_variants(request, monkeypatch: pytest.MonkeyPatch, setting: str, value):
+def test_decode_variants(monkeypatch: pytest.MonkeyPatch, setting: str, value):
     # The split reduction fused (the last split combines, COMBINE_S splits a load) or a second
-    # kernel, the keys a split takes at least, the key tile, splits without keys returning at
-    # once (COMPILE_ENGINE_ATTENTION_IDLE_EXIT): every variant matches the reference, with
-    # padding, an empty sequence between, and sequences shorter and longer than a split.
-    if setting.endswith("_ENV"):
-        monkeypatch.setenv(getattr(pa, setting), value)
-        ab_switch.cache_clear()
-        request.addfinalizer(ab_switch.cache_clear)  # after monkeypatch restores the variable
-    elif setting.startswith("_"):
+    # kernel, the keys a split takes at least, the key tile: every variant matches the
+    # reference, with padding, an empty sequence between, and sequences shorter and longer
+    # than a split.
+    if setting.startswith("_"):
         monkeypatch.setattr(pa, setting, value)
     else:
         [(least, config)] = pa._CONFIGS["cpu"]
@@ -317,23 +312,18 @@ def test_choose_num_splits_reads_shapes_only():
     assert pa.choose_num_splits(1, 1, 10**7, cpu) <= pa._MAX_SPLITS
 
 
-def test_decode_splits_switch(monkeypatch: pytest.MonkeyPatch):
-    # COMPILE_ENGINE_DECODE_SPLITS=1 turns split-KV off however long the context (an A/B
-    # switch); unset, the shapes decide; any other value is an error that says what to set.
+def test_unsplit_context(monkeypatch: pytest.MonkeyPatch):
+    # A table at most UNSPLIT_KEYS keys wide takes one split, a wider one splits as before;
+    # `unsplit_context` names that width only for launches that would split a wide table.
     cpu = torch.device("cpu")
-    try:
-        monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "1")
-        ab_switch.cache_clear()
-        assert pa.choose_num_splits(1, 2, 32768, cpu) == 1
-        monkeypatch.setenv("COMPILE_ENGINE_DECODE_SPLITS", "4")  # not a count
-        ab_switch.cache_clear()
-        with pytest.raises(pa.PagedAttentionKernelError, match="set it to 1 .on. or 0"):
-            pa.choose_num_splits(1, 2, 32768, cpu)
-        monkeypatch.delenv("COMPILE_ENGINE_DECODE_SPLITS")
-        ab_switch.cache_clear()
-        assert pa.choose_num_splits(1, 2, 32768, cpu) > 1
-    finally:
-        ab_switch.cache_clear()
+    [(least, config)] = pa._CONFIGS["cpu"]
+    assert pa.unsplit_context(1, 2, cpu) == 0  # the CPU config sets none
+    monkeypatch.setitem(pa._CONFIGS, "cpu", [(least, {**config, "UNSPLIT_KEYS": 48})])
+    assert pa.choose_num_splits(1, 2, 48, cpu) == 1
+    assert pa.choose_num_splits(1, 2, 64, cpu) == 4  # 64 keys, 16 a split
+    assert pa.choose_num_splits(1, 2, 32768, cpu) > 1
+    assert pa.unsplit_context(1, 2, cpu) == 48
+    assert pa.unsplit_context(CPU_SM_COUNT, 1, cpu) == 0  # enough programs: never splits
 
 
 def test_rejects_unsupported_head_dim():

@@ -1,0 +1,102 @@
+"""Short-context CUDA graphs (compiler/cuda_graphs.py): which capture sizes get one, and which
+graph a step replays. On the CPU: the graphs are stand-ins that record their replay, so what is
+checked is the choice and the buffers it reads; tests/gpu/test_h100.py replays real ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiler.cuda_graphs import CUDAGraphRunner, short_table_widths
+from kernels_generated import paged_attention as pa
+from kernels_generated.device import CPU_SM_COUNT
+from models.layers import AttentionMetadata
+
+CPU = torch.device("cpu")
+SIZES = [1, 2, 4, 8, 16]
+PAGED = {"paged_attention_triton": 0, "rotary_into_attention": 2}
+
+
+@pytest.fixture
+def unsplit_48(monkeypatch: pytest.MonkeyPatch):
+    """The CPU decode config with a 48-key unsplit bound (the CUDA one sets 160)."""
+    [(least, config)] = pa._CONFIGS["cpu"]
+    monkeypatch.setitem(pa._CONFIGS, "cpu", [(least, {**config, "UNSPLIT_KEYS": 48})])
+
+
+def test_widths_where_a_narrow_table_runs_unsplit(unsplit_48):
+    # 2 KV heads on CPU_SM_COUNT (8) "SMs": sizes 1 and 2 split a wide table, 4 and up do not.
+    assert CPU_SM_COUNT == 8
+    assert short_table_widths(PAGED, 2, SIZES, 16, 1000, CPU) == {1: 3, 2: 3}
+    assert short_table_widths(PAGED, 2, SIZES, 5, 1000, CPU) == {1: 9, 2: 9}  # 45 keys
+    # A full table no wider than the short one, a block wider than the bound, no paged
+    # attention kernel in the compiled forward (an MLA model, the CPU target): none.
+    assert short_table_widths(PAGED, 2, SIZES, 16, 3, CPU) == {}
+    assert short_table_widths(PAGED, 2, SIZES, 64, 1000, CPU) == {}
+    assert short_table_widths({"mla_absorb": 3}, 2, SIZES, 16, 1000, CPU) == {}
+
+
+def test_widths_none_without_the_bound():
+    assert short_table_widths(PAGED, 2, SIZES, 16, 1000, CPU) == {}  # CPU config sets none
+
+
+class _Graph:
+    def __init__(self, log: list, key) -> None:
+        self.log, self.key = log, key
+
+    def replay(self) -> None:
+        self.log.append(self.key)
+
+
+def _runner(short_widths: dict[int, int]) -> tuple[CUDAGraphRunner, list]:
+    runner = CUDAGraphRunner(
+        lambda *args: None,
+        [],
+        capture_sizes=[1, 4],
+        max_num_seqs=4,
+        max_blocks_per_seq=20,
+        device=CPU,
+        short_widths=short_widths,
+    )
+    replayed: list = []
+    for key in runner._keys():
+        runner.graphs[key] = _Graph(replayed, key)
+        runner.outputs[key] = torch.full((key[0], 2), float(key[0] * 100 + (key[1] or 0)))
+    return runner, replayed
+
+
+def _meta(lens: list[int], width: int) -> AttentionMetadata:
+    tables = torch.arange(1, 1 + len(lens) * width, dtype=torch.int32).view(len(lens), width)
+    return AttentionMetadata(
+        slot_mapping=torch.arange(len(lens)),
+        block_tables=tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+    )
+
+
+def test_a_step_within_the_short_width_replays_the_short_graph():
+    runner, replayed = _runner({1: 10, 4: 10, 64: 10})  # 64 is not a capture size: dropped
+    assert runner.short_widths == {1: 10, 4: 10}
+    assert runner._keys() == [(4, None), (4, 10), (1, None), (1, 10)]
+    ids = torch.tensor([5, 6, 7])
+    out = runner.run(ids, ids, _meta([150, 3, 160], 10))
+    assert replayed == [(4, 10)] and runner.short_replays == 1
+    assert out.shape == (3, 2) and out[0, 0].item() == 410
+    # One block wider than the short graph's table: the full-table graph.
+    assert runner.run(ids[:1], ids[:1], _meta([161], 11))[0, 0].item() == 100
+    assert replayed[-1] == (1, None) and runner.last_key == (1, None)
+    assert runner.short_replays == 1
+    # The short graph reads the first columns of the one block-table buffer the step filled.
+    runner.run(ids[:2], ids[:2], _meta([20, 30], 2))
+    assert replayed[-1] == (4, 10)
+    short_view = runner._meta(4, 10).block_tables
+    assert short_view.data_ptr() == runner.block_tables.data_ptr() and short_view.shape[1] == 10
+    assert short_view[:2, :2].tolist() == [[1, 2], [3, 4]]
+
+
+def test_without_short_widths_every_step_replays_the_full_table():
+    runner, replayed = _runner({})
+    ids = torch.tensor([5])
+    runner.run(ids, ids, _meta([3], 1))
+    assert replayed == [(1, None)] and runner.short_replays == 0
