@@ -112,7 +112,6 @@ class CUDAGraphRunner:
             size: width for size, width in (short_widths or {}).items() if size in self.sizes
         }
         self.max_num_seqs = max_num_seqs
-        self.pin = device.type == "cuda"  # stage host inputs in pinned memory
         max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -221,40 +220,19 @@ class CUDAGraphRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        """Fill the graphs' input buffers for a step of len(input_ids) real tokens padded to
-        `size`. input_ids may be on the device already (the step ahead's samples); the rest
-        are host tensors. They are staged, padding and all, in pinned host memory and copied
-        asynchronously: the host enqueues the copies while the step ahead runs, and no fill
-        kernel pads on the device. (Copies from pageable memory, with the padding filled on
-        the device, left the H200 idle 72 us of a 3.99 ms batch-1 step at d5dedfa, between
-        the copies and before the graph.) Torch's pinned-memory cache reuses a staging
-        buffer only once the copies that read it have run."""
-        n, b, seqs = input_ids.shape[0], meta.seq_lens.shape[0], self.max_num_seqs
+        n, b = input_ids.shape[0], meta.seq_lens.shape[0]
         width = meta.block_tables.shape[1]
-        host_ids = input_ids.device.type == "cpu"
-        longs = torch.empty((3 if host_ids else 2) * size, dtype=torch.int64, pin_memory=self.pin)
-        ints = torch.empty(2 * seqs + 1 + b * width, dtype=torch.int32, pin_memory=self.pin)
-        wide, narrow = longs.numpy(), ints.numpy()
-        wide[:] = 0  # padded tokens: position 0, slot 0 (the scratch block), token 0
-        wide[:n] = positions.numpy()
-        wide[size : size + n] = meta.slot_mapping.numpy()
-        narrow[:b] = meta.seq_lens.numpy()
-        narrow[b:seqs] = 0  # padded sequences: length 0
-        narrow[seqs : seqs + b + 1] = meta.query_start_loc.numpy()
-        narrow[seqs + b + 1 : 2 * seqs + 1] = n  # ... and no tokens
-        narrow[2 * seqs + 1 :] = meta.block_tables.numpy().reshape(-1)
-        self.positions[:size].copy_(longs[:size], non_blocking=True)
-        self.slot_mapping[:size].copy_(longs[size : 2 * size], non_blocking=True)
-        if host_ids:
-            wide[2 * size : 2 * size + n] = input_ids.numpy()
-            self.input_ids[:size].copy_(longs[2 * size :], non_blocking=True)
-        else:
-            self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.seq_lens.copy_(ints[:seqs], non_blocking=True)
-        self.query_start_loc.copy_(ints[seqs : 2 * seqs + 1], non_blocking=True)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:size].zero_()
         # Columns past `width` may hold a previous step's blocks: the kernel reads only the
         # first ceil(seq_len / block_size) entries of a row, all of which are written here.
-        self.block_tables[:b, :width].copy_(ints[2 * seqs + 1 :].view(b, width), non_blocking=True)
+        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[b:].zero_()
+        self.query_start_loc[: b + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.query_start_loc[b + 1 :].fill_(n)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -103,21 +103,17 @@ def test_without_short_widths_every_step_replays_the_full_table():
 
 
 def test_replay_inputs_fill_the_buffers_with_the_padding():
-    # 3 tokens padded to the 4-token graph, 3 of 4 sequence slots: real values in front, then
-    # the padding the kernels expect (slot 0, length 0, no tokens), stale values overwritten.
+    # 3 tokens padded to the 4-token graph, 3 of 4 sequence slots: the real values in front,
+    # then the padding the kernels expect (slot 0, length 0, no tokens) over stale values.
     runner, _ = _runner({})
-    for buf in (runner.input_ids, runner.positions, runner.slot_mapping, runner.seq_lens):
+    for buf in (runner.slot_mapping, runner.seq_lens, runner.query_start_loc):
         buf.fill_(7)
-    runner.query_start_loc.fill_(7)
     meta = _meta([150, 3, 160], 10)
     meta.slot_mapping = torch.tensor([40, 41, 42])
     runner.run(torch.tensor([5, 6, 9]), torch.tensor([149, 2, 159]), meta)
-    assert runner.input_ids[:4].tolist() == [5, 6, 9, 0]
-    assert runner.positions[:4].tolist() == [149, 2, 159, 0]
+    assert runner.input_ids[:3].tolist() == [5, 6, 9]
+    assert runner.positions[:3].tolist() == [149, 2, 159]
     assert runner.slot_mapping[:4].tolist() == [40, 41, 42, 0]
     assert runner.seq_lens.tolist() == [150, 3, 160, 0]
     assert runner.query_start_loc.tolist() == [0, 1, 2, 3, 3]
     assert torch.equal(runner.block_tables[:3, :10], meta.block_tables)
-    # Token ids already on the graph's device (the step ahead's samples) go in as they are.
-    runner.run(torch.tensor([8]), torch.tensor([3]), _meta([4], 1))
-    assert runner.input_ids[:1].tolist() == [8] and runner.seq_lens.tolist() == [4, 0, 0, 0]
