@@ -22,7 +22,7 @@ partials are combined. A launch on a table at most `UNSPLIT_KEYS` wide runs unsp
 each size where that differs, a second graph is captured on the first columns of the same
 block-table buffer, and a step whose widest table fits replays it (`short_table_widths`). At
 batch 1, Llama-3-8B on the H200, contexts 33-160: 247.5 / 247.3 tok/s against 245.9 / 245.9
-with the wide table's splits (docs/compiler.md, section 5, item 10).
+with the wide table's splits (docs/compiler.md, section 6, item 10).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ packed batch that mixes prefill chunks and decode tokens:
   (they still wait for the kernel ahead and load the token's q, k and v, storing nothing).
   A table of at most UNSPLIT_KEYS keys runs unsplit at any batch: the runner replays a graph
   captured on a table that narrow while a step's contexts fit (compiler/cuda_graphs.py;
-  docs/compiler.md, section 5, item 10). A lone split writes the output; otherwise each
+  docs/compiler.md, section 6, item 10). A lone split writes the output; otherwise each
   writes a partial (max, sum,
   unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
   counter per (token, KV head), zeroed again by that program) combines them: no second

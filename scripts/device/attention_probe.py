@@ -18,7 +18,7 @@ hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds):
 121.70 / 122.73, none 114.03 / 114.76 (attention costs 7.8), alone 6.31 / 6.26, own key only
 118.57 / 118.54 (the 100 cached keys cost 3.65), unrotated 122.13 / 122.36 (rotary costs
 nothing), one split 121.17 / 121.28 (1 us less), PDL off 126.06 / 126.11 (docs/compiler.md,
-section 5, item 10); that run timed its own graph replays, since then `bench gemm`'s. At
+section 6, item 10); that run timed its own graph replays, since then `bench gemm`'s. At
 908d9f3 (the sweep's first run; a removed variant, splits without keys returning before the
 PDL wait, lost 0.3-0.6 us a layer everywhere), one split against the table's 33: -0.75 /
 -1.38 / +0.05 / +19.4 / +89.0 us a layer at 40 / 100 / 160 / 1,000 / 4,000 keys, hence a

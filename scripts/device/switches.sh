@@ -4,12 +4,12 @@
 # probe, then a batch-1 `bench latency` A/B of the defaults against each variant, ROUNDS rounds
 # (default 2), the variants' order reversed in the second. A variant is a quoted string of
 # VAR=value settings, as latency_ab.sh takes. Usage on the device, from the repo root:
-#   bash scripts/device/switches.sh <commit> "COMPILE_ENGINE_ATTENTION_IDLE_EXIT=1" \
-#     "COMPILE_ENGINE_DECODE_SPLITS=1" "COMPILE_ENGINE_NORM_DEFER_SUM=1"
-# carry [".whl"]. With three variants the tests and the probe take about 4 minutes and the A/B
-# about 5, more than one call may run: SKIP_AB=1 runs the first part, SKIP_TESTS=1 the second
-# (two calls back to back, so the second finds the model and the caches warm). JSON and logs
-# in $OUT/bundle.tgz (a call brings back at most 8 files).
+#   bash scripts/device/switches.sh <commit> "COMPILE_ENGINE_NORM_DEFER_SUM=0" ...
+# carry [".whl"]. At 908d9f3 with three variants the tests and the probe took 145 s and the
+# A/B of two variants 196 s, more than one call may run: SKIP_AB=1 runs the first part,
+# SKIP_TESTS=1 the second (two calls back to back, so the second finds the model and the
+# caches warm). JSON and logs in $OUT/bundle.tgz (a call brings back at most 8 files, and
+# none from folders nested too deep).
 set -u
 commit=$1
 shift
