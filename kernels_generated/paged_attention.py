@@ -20,8 +20,9 @@ packed batch that mixes prefill chunks and decode tokens:
   The kernel shares a sequence's keys among min(S, keys / MIN_SPLIT_KEYS) splits, computed
   from seq_len, so a short sequence in a wide table takes one split and the rest find no keys
   (they still wait for the kernel ahead and load the token's q, k and v, storing nothing).
-  A table of at most UNSPLIT_KEYS keys runs unsplit at any batch: the runner replays a graph
-  captured on a table that narrow while a step's contexts fit (compiler/cuda_graphs.py;
+  A table of at most UNSPLIT_KEYS keys runs unsplit where the launch's config sets that bound
+  (on CUDA, launches of 1-16 tokens): the runner replays a graph captured on a table that
+  narrow while a step's contexts fit (compiler/cuda_graphs.py;
   docs/compiler.md, section 6, item 10). A lone split writes the output; otherwise each
   writes a partial (max, sum,
   unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
