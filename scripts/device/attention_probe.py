@@ -11,7 +11,9 @@ reports the replay's time a layer against the full chain:
   - one split: num_splits=1 (no partials' store, arrival and reload);
   - PDL off: every launch plain.
 Then the split choice from short contexts to long (40 to 4,000 keys): the wide table's, with
-a larger MIN_SPLIT_KEYS, and one split.
+a larger MIN_SPLIT_KEYS, and one split; and at 40-160 keys, where the engine now runs
+unsplit, 2-3 splits sharing the keys and the unsplit launch's BLOCK_N, warps and stages
+(added after the runs below, not yet run).
 Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
 engine's at max_model_len 131,072 (so the split choice is the engine's: 33 splits, of which 2
 hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds): full chain
@@ -45,6 +47,7 @@ from kernels_generated.device import PDL_ENV, pdl_settings
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4096, 32, 8, 128, 14336
 BLOCK, TABLE_WIDTH, CONTEXT = 16, 131072 // 16, 100
 SWEEP_CONTEXTS = (40, 100, 160, 1000, 4000)
+SHORT_CONTEXTS = (40, 100, 160)
 NUM_BLOCKS = -(-(max(SWEEP_CONTEXTS) + 1) // BLOCK) + 2  # each layer's cache, scratch block 0
 DEV, DT = "cuda", torch.bfloat16
 
@@ -127,12 +130,11 @@ def replay_us(fn) -> float:
 
 
 @contextlib.contextmanager
-def attention_setting(min_split_keys: int | None = None):
-    """The batch-1 config's MIN_SPLIT_KEYS for a while."""
+def attention_setting(**overrides):
+    """The batch-1 config's entries (MIN_SPLIT_KEYS, BLOCK_N, num_warps, ...) for a while."""
     config = pa._CONFIGS["cuda"][0][1]  # the config of launches from 1 token
     saved = dict(config)
-    if min_split_keys is not None:
-        config["MIN_SPLIT_KEYS"] = min_split_keys
+    config.update(overrides)
     try:
         yield
     finally:
@@ -183,8 +185,8 @@ def main() -> None:
     # and no split at all.
     choices = {
         "table": {},
-        "MIN_SPLIT_KEYS 128": {"min_split_keys": 128},
-        "MIN_SPLIT_KEYS 256": {"min_split_keys": 256},
+        "MIN_SPLIT_KEYS 128": {"MIN_SPLIT_KEYS": 128},
+        "MIN_SPLIT_KEYS 256": {"MIN_SPLIT_KEYS": 256},
         "one split": {"num_splits": 1},
     }
     sweep: dict[int, dict] = {}
@@ -196,6 +198,31 @@ def main() -> None:
                 setting = {key: val for key, val in choice.items() if key != "num_splits"}
                 fn = lambda step=step, kw=splits_arg: forward(layers, step, x, residual, **kw)  # noqa: E731
                 sweep.setdefault(context, {}).setdefault(name, []).append(timed(fn, **setting))
+    # Where the engine now runs unsplit (a table of <= UNSPLIT_KEYS keys, the short-context
+    # graphs): a few splits sharing the keys instead, and the unsplit launch's config.
+    short_choices = {
+        "one split": {"num_splits": 1},
+        "2 splits": {"num_splits": 2},
+        "2 splits, MIN_SPLIT_KEYS 32": {"num_splits": 2, "MIN_SPLIT_KEYS": 32},
+        "3 splits, MIN_SPLIT_KEYS 32": {"num_splits": 3, "MIN_SPLIT_KEYS": 32},
+        "one split, BLOCK_N 32": {"num_splits": 1, "BLOCK_N": 32},
+        "one split, BLOCK_N 128": {"num_splits": 1, "BLOCK_N": 128},
+        "one split, 8 warps": {"num_splits": 1, "num_warps": 8},
+        "one split, 3 stages": {"num_splits": 1, "num_stages": 3},
+        "one split, BLOCK_N 32, 2 warps": {"num_splits": 1, "BLOCK_N": 32, "num_warps": 2},
+    }
+    short_sweep: dict[int, dict] = {}
+    for context in SHORT_CONTEXTS:
+        step = step_inputs(context)
+        for _ in range(2):
+            for name, choice in short_choices.items():
+                setting = {key: val for key, val in choice.items() if key != "num_splits"}
+                fn = lambda step=step, n=choice["num_splits"]: forward(  # noqa: E731
+                    layers, step, x, residual, num_splits=n
+                )
+                short_sweep.setdefault(context, {}).setdefault(name, []).append(
+                    timed(fn, **setting)
+                )
     os.environ[PDL_ENV] = "0"
     pdl_settings.cache_clear()
     ablation["PDL off (full chain)"] = [replay_us(ablations["full chain"][0]) for _ in range(2)]
@@ -206,8 +233,16 @@ def main() -> None:
     )
     for context, results in sweep.items():
         print_rows(f"context {context}, us a layer (2 rounds):", results, "table")
+    for context, results in short_sweep.items():
+        print_rows(f"context {context}, short table, us a layer (2 rounds):", results, "one split")
     if args.out:
-        record = {"context": CONTEXT, "splits": splits, "us_per_layer": ablation, "sweep": sweep}
+        record = {
+            "context": CONTEXT,
+            "splits": splits,
+            "us_per_layer": ablation,
+            "sweep": sweep,
+            "short_sweep": short_sweep,
+        }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)
 
