@@ -2,21 +2,27 @@
 of the engine's decode kernels at Llama-3-8B shapes (the fused norm + qkv GEMM, attention with
 rotary and the cache write fused, o_proj, the fused norm + gate_up + silu, down; each with its
 own weights, so every weight streams from HBM, and its own KV cache), captured in one CUDA
-graph, with PDL as the engine sets it. Each variant changes one thing about attention and
-reports the replay's time a layer against the full chain:
+graph, with PDL as the engine sets it. The full chain is the engine's short-context graph at
+context 100 (a block table UNSPLIT_KEYS wide, one split; before d5dedfa the table was
+max_model_len's, 33 splits). Each variant changes one thing about attention and reports the
+replay's time a layer against the full chain:
   - none: o_proj reads a fixed tensor, no attention kernel at all (attention's whole cost);
   - alone: attention's 32 launches by themselves in a graph (its latency with nothing ahead);
   - own key only: one cached key fewer than the token (context 1: no key loop);
   - unrotated: q and k arrive rotated (no position and cos/sin loads);
-  - one split: num_splits=1 (no partials' store, arrival and reload);
+  - wide table (33 splits): max_model_len's table, as the engine ran before d5dedfa;
+  - o_proj released at once (COMPILE_ENGINE_PDL_TRIGGER_ATTENTION=1: attention, now 8
+    programs, releases o_proj right after its wait, so o_proj's programs take the idle SMs and
+    put their first K-tile into L2 while attention runs), o_proj prefetched whole
+    (COMPILE_ENGINE_PDL_PREFETCH_MB=34), and both (both lost at db83b9a with 33 splits);
   - PDL off: every launch plain.
 Then the split choice from short contexts to long (40 to 4,000 keys): the wide table's, with
 a larger MIN_SPLIT_KEYS, and one split; and at 40-160 keys, where the engine now runs
 unsplit, 2-3 splits sharing the keys and the unsplit launch's BLOCK_N, warps and stages
 (added after the runs below, not yet run).
-Context 100 keys (the latency benchmark's decode runs 33-160), a block table as wide as the
-engine's at max_model_len 131,072 (so the split choice is the engine's: 33 splits, of which 2
-hold keys at this context). Run at bc18130 on the H200 (us a layer, two rounds): full chain
+Context 100 keys (the latency benchmark's decode runs 33-160). Run at bc18130 (the wide
+table, 33 splits, of which 2 hold keys at this context, and "one split" in place of the
+wide-table and PDL rows) on the H200 (us a layer, two rounds): full chain
 121.70 / 122.73, none 114.03 / 114.76 (attention costs 7.8), alone 6.31 / 6.26, own key only
 118.57 / 118.54 (the 100 cached keys cost 3.65), unrotated 122.13 / 122.36 (rotary costs
 nothing), one split 121.17 / 121.28 (1 us less), PDL off 126.06 / 126.11 (docs/compiler.md,
@@ -42,7 +48,12 @@ import torch
 import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
-from kernels_generated.device import PDL_ENV, pdl_settings
+from kernels_generated.device import (
+    PDL_ATTENTION_TRIGGER_ENV,
+    PDL_ENV,
+    PDL_PREFETCH_ENV,
+    pdl_settings,
+)
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4096, 32, 8, 128, 14336
 BLOCK, TABLE_WIDTH, CONTEXT = 16, 131072 // 16, 100
@@ -72,10 +83,11 @@ def weights(gen: torch.Generator) -> list[dict]:
     ]
 
 
-def step_inputs(context: int) -> dict:
-    """One decode token at position `context` (its sequence context + 1 keys long)."""
+def step_inputs(context: int, table_width: int = TABLE_WIDTH) -> dict:
+    """One decode token at position `context` (its sequence context + 1 keys long), its block
+    table `table_width` blocks wide (the split choice follows the width)."""
     layout = pa.paged_layout(
-        [1], [context + 1], block_size=BLOCK, device=DEV, table_width=TABLE_WIDTH,
+        [1], [context + 1], block_size=BLOCK, device=DEV, table_width=table_width,
         num_blocks=NUM_BLOCKS,
     )  # fmt: skip
     batch = pa.make_batch([1], [context + 1], dtype=DT, device=DEV, num_q_heads=HEADS,
@@ -130,16 +142,26 @@ def replay_us(fn) -> float:
 
 
 @contextlib.contextmanager
-def attention_setting(**overrides):
-    """The batch-1 config's entries (MIN_SPLIT_KEYS, BLOCK_N, num_warps, ...) for a while."""
+def attention_setting(env: dict | None = None, **overrides):
+    """The batch-1 config's entries (MIN_SPLIT_KEYS, BLOCK_N, num_warps, ...) and PDL's
+    environment settings (device.py) for a while."""
     config = pa._CONFIGS["cuda"][0][1]  # the config of launches from 1 token
     saved = dict(config)
     config.update(overrides)
+    saved_env = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    pdl_settings.cache_clear()
     try:
         yield
     finally:
         config.clear()
         config.update(saved)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+        pdl_settings.cache_clear()
 
 
 def timed(fn, **setting) -> float:
@@ -163,18 +185,29 @@ def main() -> None:
     layers = weights(gen)
     x = torch.randn(1, HIDDEN, generator=gen, device=DEV).to(DT)
     residual = torch.randn(1, HIDDEN, generator=gen, device=DEV).to(DT)
-    meta, short = step_inputs(CONTEXT), step_inputs(0)
+    # The engine's short-context graph at CONTEXT: a table UNSPLIT_KEYS wide, one split.
+    short_width = pa.decode_config(1, torch.device(DEV))["UNSPLIT_KEYS"] // BLOCK
+    meta, short = step_inputs(CONTEXT, short_width), step_inputs(0, short_width)
+    wide = step_inputs(CONTEXT)
     q = torch.randn(1, HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
     k = torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
     v = torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen, device=DEV).to(DT)
-    splits = pa.choose_num_splits(1, KV_HEADS, TABLE_WIDTH * BLOCK, torch.device(DEV))
+    splits = pa.choose_num_splits(1, KV_HEADS, short_width * BLOCK, torch.device(DEV))
+    released = {PDL_ATTENTION_TRIGGER_ENV: "1"}  # attention releases o_proj right after its wait
+    whole = {PDL_PREFETCH_ENV: "34"}  # o_proj (32 MiB) prefetches its whole slice into L2
     ablations = {
         "full chain": (lambda: forward(layers, meta, x, residual), {}),
         "none": (lambda: forward(layers, meta, x, residual, attention="none"), {}),
         "alone": (lambda: attention_alone(layers, meta, q, k, v), {}),
         "own key only": (lambda: forward(layers, short, x, residual), {}),
         "unrotated": (lambda: forward(layers, meta, x, residual, rotary=False), {}),
-        "one split": (lambda: forward(layers, meta, x, residual, num_splits=1), {}),
+        "wide table (33 splits)": (lambda: forward(layers, wide, x, residual), {}),
+        "o_proj released at once": (lambda: forward(layers, meta, x, residual), {"env": released}),
+        "o_proj prefetched whole": (lambda: forward(layers, meta, x, residual), {"env": whole}),
+        "both": (
+            lambda: forward(layers, meta, x, residual),
+            {"env": {**released, **whole}},
+        ),
     }
     ablation = {}
     for _ in range(2):  # two rounds, variants alternating, against clock drift
