@@ -18,11 +18,12 @@ the largest graph's activations, not the sum.
 Short-context graphs: at small batches paged attention splits each sequence's keys among up to
 33 programs a KV head, a count fixed at capture by the block table's width (max_model_len),
 and at short contexts all but one or two of them find no keys yet still launch, and the
-partials are combined. A launch on a table at most `UNSPLIT_KEYS` wide runs unsplit. So for
-each size where that differs, a second graph is captured on the first columns of the same
-block-table buffer, and a step whose widest table fits replays it (`short_table_widths`). At
-batch 1, Llama-3-8B on the H200, contexts 33-160: 247.5 / 247.3 tok/s against 245.9 / 245.9
-with the wide table's splits (docs/compiler.md, section 6, item 10).
+partials are combined. A launch on a table at most `UNSPLIT_KEYS` wide runs unsplit (where
+its config sets that bound: one-token launches on CUDA). So for each size where that
+differs, a second graph is captured on the first columns of the same block-table buffer,
+and a step whose widest table fits replays it (`short_table_widths`). At batch 1,
+Llama-3-8B on the H200, contexts 33-160: 247.5 / 247.3 tok/s against 245.9 / 245.9 with the
+wide table's splits (docs/compiler.md, section 6, item 10).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ packed batch that mixes prefill chunks and decode tokens:
   from seq_len, so a short sequence in a wide table takes one split and the rest find no keys
   (they still wait for the kernel ahead and load the token's q, k and v, storing nothing).
   A table of at most UNSPLIT_KEYS keys runs unsplit where the launch's config sets that bound
-  (on CUDA, launches of 1-16 tokens): the runner replays a graph captured on a table that
+  (on CUDA, launches of one token): the runner replays a graph captured on a table that
   narrow while a step's contexts fit (compiler/cuda_graphs.py;
   docs/compiler.md, section 6, item 10). A lone split writes the output; otherwise each
   writes a partial (max, sum,
@@ -118,8 +118,10 @@ _MAX_SPLITS = 64
 # attention_probe.py at 908d9f3, batch 1, 32 layers' decode kernels in one graph, one split
 # against the wide table's 33 (1-3 holding keys): -0.75 / -1.38 / +0.05 / +19.4 us a layer at
 # 40 / 100 / 160 / 1,000 keys; in the engine (`bench latency`, batch 1, contexts 33-160)
-# 247.5 / 247.3 against 245.9 / 245.9 tok/s. Measured at batch 1 only; 0 where a config does
-# not set it.
+# 247.5 / 247.3 against 245.9 / 245.9 tok/s. Measured at batch 1 only, so set for one-token
+# launches only (2-16 tokens split as before: 16 x 160 keys unsplit is 128 programs of three
+# key tiles each, against 384 of one and a combine, not timed); 0 where a config does not set
+# it.
 _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
         (
@@ -132,6 +134,7 @@ _CONFIGS: dict[str, list[tuple[int, dict]]] = {
                 "UNSPLIT_KEYS": 160,
             },
         ),
+        (2, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (
             100,
