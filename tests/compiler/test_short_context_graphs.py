@@ -117,3 +117,18 @@ def test_replay_inputs_fill_the_buffers_with_the_padding():
     assert runner.seq_lens.tolist() == [150, 3, 160, 0]
     assert runner.query_start_loc.tolist() == [0, 1, 2, 3, 3]
     assert torch.equal(runner.block_tables[:3, :10], meta.block_tables)
+
+
+def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):
+    # The H200's 132 SMs and Llama-3-8B's 8 KV heads (shapes only, no device touched): one
+    # token runs unsplit on a table of <= 160 keys and gets a 10-block short graph; 2-16
+    # tokens split as before whatever the width; from 17 tokens nothing splits.
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(pa, "sm_count", lambda device: 132)
+    assert pa.choose_num_splits(1, 8, 160, cuda) == 1
+    assert pa.choose_num_splits(1, 8, 176, cuda) == 3  # 176 keys, 64 a split
+    assert pa.choose_num_splits(2, 8, 160, cuda) == 3
+    assert pa.choose_num_splits(1, 8, 131072, cuda) == 33
+    assert [pa.unsplit_context(t, 8, cuda) for t in (1, 2, 16, 17)] == [160, 0, 0, 0]
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32]
+    assert short_table_widths(PAGED, 8, sizes, 16, 8192, cuda) == {1: 10}
