@@ -125,7 +125,6 @@ class CUDAGraphRunner:
         # Keyed by (size, table width in blocks or None for the full table).
         self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
-        self.short_replays = 0  # steps that replayed a short-context graph
         self.last_key: tuple[int, int | None] | None = None  # the graph replayed last
         self.pool = None
         self.capture_seconds = 0.0
@@ -247,7 +246,6 @@ class CUDAGraphRunner:
         self.prepare_for_replay(size, input_ids, positions, meta)
         short = self.short_widths.get(size)
         key = (size, short if short is not None and meta.block_tables.shape[1] <= short else None)
-        self.short_replays += key[1] is not None
         self.last_key = key
         self.graphs[key].replay()
         return self.outputs[key][:n]

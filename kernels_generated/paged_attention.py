@@ -22,9 +22,8 @@ packed batch that mixes prefill chunks and decode tokens:
   (they still wait for the kernel ahead and load the token's q, k and v, storing nothing).
   A table of at most UNSPLIT_KEYS keys runs unsplit where the launch's config sets that bound
   (on CUDA, launches of one token): the runner replays a graph captured on a table that
-  narrow while a step's contexts fit (compiler/cuda_graphs.py;
-  docs/compiler.md, section 6, item 10). A lone split writes the output; otherwise each
-  writes a partial (max, sum,
+  narrow while a step's contexts fit (compiler/cuda_graphs.py; docs/compiler.md, section 6,
+  item 10). A lone split writes the output; otherwise each writes a partial (max, sum,
   unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
   counter per (token, KV head), zeroed again by that program) combines them: no second
   kernel, no memset, CUDA-graph safe.
@@ -122,19 +121,11 @@ _MAX_SPLITS = 64
 # launches only (2-16 tokens split as before: 16 x 160 keys unsplit is 128 programs of three
 # key tiles each, against 384 of one and a combine, not timed); 0 where a config does not set
 # it.
+_SMALL_BATCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}
 _CONFIGS: dict[str, list[tuple[int, dict]]] = {
     "cuda": [
-        (
-            1,
-            {
-                "BLOCK_N": 64,
-                "num_warps": 4,
-                "num_stages": 2,
-                "MIN_SPLIT_KEYS": 64,
-                "UNSPLIT_KEYS": 160,
-            },
-        ),
-        (2, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
+        (1, {**_SMALL_BATCH, "UNSPLIT_KEYS": 160}),
+        (2, dict(_SMALL_BATCH)),
         (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
         (
             100,
@@ -518,6 +509,7 @@ def _paged_attention_kernel(
         active = tl.cdiv(num_keys, per_split)
         key_lo = split * per_split
         key_hi = tl.minimum(key_lo + per_split, num_keys)
+
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
