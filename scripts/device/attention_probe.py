@@ -49,9 +49,11 @@ import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
 from kernels_generated.device import (
+    PDL_AT_ONCE_ROWS_ENV,
     PDL_ATTENTION_TRIGGER_ENV,
     PDL_ENV,
     PDL_PREFETCH_ENV,
+    ab_switch,
     pdl_settings,
 )
 
@@ -151,6 +153,7 @@ def attention_setting(env: dict | None = None, **overrides):
     saved_env = {name: os.environ.get(name) for name in env or {}}
     os.environ.update(env or {})
     pdl_settings.cache_clear()
+    ab_switch.cache_clear()
     try:
         yield
     finally:
@@ -162,6 +165,7 @@ def attention_setting(env: dict | None = None, **overrides):
             else:
                 os.environ[name] = value
         pdl_settings.cache_clear()
+        ab_switch.cache_clear()
 
 
 def timed(fn, **setting) -> float:
@@ -180,6 +184,7 @@ def print_rows(title: str, results: dict, base: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    p.add_argument("--ablation-only", action="store_true", help="skip the split sweeps")
     args = p.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     layers = weights(gen)
@@ -195,6 +200,10 @@ def main() -> None:
     splits = pa.choose_num_splits(1, KV_HEADS, short_width * BLOCK, torch.device(DEV))
     released = {PDL_ATTENTION_TRIGGER_ENV: "1"}  # attention releases o_proj right after its wait
     whole = {PDL_PREFETCH_ENV: "34"}  # o_proj (32 MiB) prefetches its whole slice into L2
+    # Attention reads its metadata and prefetches its cached K/V before the wait; the qkv GEMM
+    # releases it right after its own wait, so that happens during the whole GEMM.
+    early = {pa.EARLY_ENV: "1"}
+    qkv_at_once = {PDL_AT_ONCE_ROWS_ENV: str((HEADS + 2 * KV_HEADS) * HEAD_DIM)}
     ablations = {
         "full chain": (lambda: forward(layers, meta, x, residual), {}),
         "none": (lambda: forward(layers, meta, x, residual, attention="none"), {}),
@@ -208,11 +217,28 @@ def main() -> None:
             lambda: forward(layers, meta, x, residual),
             {"env": {**released, **whole}},
         ),
+        "early": (lambda: forward(layers, meta, x, residual), {"env": early}),
+        "early, qkv releases at once": (
+            lambda: forward(layers, meta, x, residual),
+            {"env": {**early, **qkv_at_once}},
+        ),
+        "qkv releases at once": (
+            lambda: forward(layers, meta, x, residual),
+            {"env": qkv_at_once},
+        ),
     }
     ablation = {}
     for _ in range(2):  # two rounds, variants alternating, against clock drift
         for name, (fn, setting) in ablations.items():
             ablation.setdefault(name, []).append(timed(fn, **setting))
+    if args.ablation_only:
+        print_rows(f"batch 1, context {CONTEXT}, {splits} splits chosen; us a layer (2 rounds):",
+                   ablation, "full chain")  # fmt: skip
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"context": CONTEXT, "splits": splits, "us_per_layer": ablation}, f,
+                          indent=2)  # fmt: skip
+        return
     # How a batch-1 split choice fares from short contexts to long: the table's (33 splits
     # sharing a sequence's keys at least MIN_SPLIT_KEYS each), with a larger MIN_SPLIT_KEYS,
     # and no split at all.

@@ -2,7 +2,7 @@
 # Try engine switches that are off by default: the GPU tests with every variant's settings on
 # at once (the decode kernels' tests and tests/gpu/test_h100.py, the HF oracle), the attention
 # probe, then a `bench latency` A/B of the defaults against each variant at BATCHES (default
-# 1; e.g. BATCHES=1,64), ROUNDS rounds (default 2), the variants' order reversed in the
+# 1; e.g. BATCHES=1,64; PROBE_ARGS=--ablation-only skips the probe's split sweeps), ROUNDS rounds (default 2), the variants' order reversed in the
 # second. A variant is a quoted string of VAR=value settings, as latency_ab.sh takes. Usage on
 # the device, from the repo root:
 #   bash scripts/device/switches.sh <commit> "COMPILE_ENGINE_NORM_DEFER_SUM=0" ...
@@ -31,7 +31,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   env "${settings[@]}" timeout 150 python3 -m pytest tests/gpu/test_h100.py -m gpu -q -p no:cacheprovider \
     > "$OUT/logs/tests-h100.log" 2>&1
   echo "h100 tests: $(tail -1 "$OUT/logs/tests-h100.log") at $(( $(date +%s) - T0 )) s"
-  timeout 150 python3 scripts/device/attention_probe.py --out "$OUT/attention-probe.json" 2>&1 \
+  timeout 150 python3 scripts/device/attention_probe.py --out "$OUT/attention-probe.json" ${PROBE_ARGS:-} 2>&1 \
     | grep -v Warn | tee "$OUT/logs/attention-probe.log" | tail -40
 fi
 wait
