@@ -68,11 +68,6 @@ PDL_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER"  # late (default): release the ne
 PDL_ATTENTION_TRIGGER_ENV = "COMPILE_ENGINE_PDL_TRIGGER_ATTENTION"  # the same for attention alone
 PDL_PREFETCH_TILES_ENV = "COMPILE_ENGINE_PDL_PREFETCH_TILES"  # leading K-tiles into L2; 0: none
 PDL_PREFETCH_TILES = 1  # its default
-# Weights (by row count, comma-separated) whose skinny GEMM releases the next kernel at once
-# whatever the trigger (an A/B experiment, not yet measured: the qkv GEMM's, 6144 rows at
-# Llama-3-8B, so that attention with COMPILE_ENGINE_ATTENTION_EARLY=1 prefetches its keys
-# during the whole GEMM).
-PDL_AT_ONCE_ROWS_ENV = "COMPILE_ENGINE_PDL_AT_ONCE_ROWS"
 # pdl_mode's values: the PDL constexpr of our kernels.
 PDL_OFF, PDL_WAIT, PDL_RELEASE_AT_ONCE, PDL_RELEASE_LATE = 0, 1, 2, 3
 _TRIGGERS = {"0": PDL_WAIT, "1": PDL_RELEASE_AT_ONCE, "late": PDL_RELEASE_LATE}
@@ -110,7 +105,6 @@ class PdlSettings(NamedTuple):
     attention_mode: int  # the same for the attention kernel
     prefetch_bytes: int  # the largest weight a skinny GEMM prefetches whole; 0: none
     prefetch_tiles: int  # else its first K-tiles (1 by default); 0: none
-    at_once_rows: frozenset[int]  # weights' row counts whose GEMM releases the next at once
 
 
 def _trigger(name: str, default: int) -> int:
@@ -136,15 +130,7 @@ def pdl_settings() -> PdlSettings:
         attention_mode=_trigger(PDL_ATTENTION_TRIGGER_ENV, mode),
         prefetch_bytes=_whole_number(PDL_PREFETCH_ENV, "MiB") << 20,
         prefetch_tiles=_whole_number(PDL_PREFETCH_TILES_ENV, "K-tiles", PDL_PREFETCH_TILES),
-        at_once_rows=_row_counts(PDL_AT_ONCE_ROWS_ENV),
     )
-
-
-def _row_counts(name: str) -> frozenset[int]:
-    words = [w.strip() for w in os.environ.get(name, "").split(",") if w.strip()]
-    if not all(w.isdigit() for w in words):
-        raise ValueError(f"{name}={os.environ[name]!r}: want weight row counts, e.g. 6144,4096")
-    return frozenset(int(w) for w in words)
 
 
 def pdl_enabled(device: torch.device) -> bool:

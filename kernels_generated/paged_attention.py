@@ -88,7 +88,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from kernels_generated.counters import arrival_counters
-from kernels_generated.device import ab_switch, env_switch, pdl_launch, pdl_mode, sm_count
+from kernels_generated.device import env_switch, pdl_launch, pdl_mode, sm_count
 from kernels_generated.rotary import rotary_triton
 from kernels_generated.timing import event_seconds
 from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
@@ -140,10 +140,6 @@ _CONFIGS: dict[str, list[tuple[int, dict]]] = {
 # reduce kernel, before 9488c66). At 1 x 32k the combine of 33 splits cost 2 us more than
 # the reduce kernel (64 / 4 / 3: 50.9 against 48.6). The combine loads COMBINE_S splits a step.
 _FUSED_REDUCE = True
-# COMPILE_ENGINE_ATTENTION_EARLY=1 (an A/B switch, not yet measured): a PDL launch reads the
-# step's metadata and prefetches the cached keys' K and V into L2 before it waits for the
-# kernel ahead (EARLY in _paged_attention_kernel).
-EARLY_ENV = "COMPILE_ENGINE_ATTENTION_EARLY"
 _COMBINE_S = 8
 
 
@@ -199,15 +195,6 @@ def _load_rotated(
         b = (rotated * sin).to(x.dtype).to(tl.float32)
         x = tl.where(in_rot, (a + b).to(x.dtype), x)
     return x
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Start fetching the 128-byte lines at `ptrs` into L2 (no registers wait for them)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -463,14 +450,11 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
     PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
     # it after the key loops (device.py)
-    EARLY: tl.constexpr = False,  # PDL only: the step's metadata and the cached keys' K/V (into
-    # L2) before the wait; only q, k and v come from the kernel ahead
-    LINE: tl.constexpr = 64,  # cache elements a 128-byte line (EARLY's prefetch)
 ):
-    if PDL > 0 and not EARLY:
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
         # Beside the tiled kernel: program b serves sequence b's token if b decodes one token
@@ -539,27 +523,6 @@ def _paged_attention_kernel(
     token_pos = token  # unused without ROTARY
     if ROTARY:
         token_pos = tl.load(positions_ptr + token, mask=mine, other=0)
-    slot = tl.load(slot_mapping_ptr + token, mask=mine & (split == 0), other=0).to(tl.int64)
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    context_len = seq_len - (q_end - q_start)  # keys already in the cache before this step
-    if PDL > 0 and EARLY:
-        # Nothing read so far, nor the cache rows below context_len, is written by the kernel
-        # ahead (the qkv GEMM writes q, k and v only; the runtime fills the metadata before the
-        # step's first kernel and earlier steps the cache): put this program's cached K and V
-        # rows into L2 while that kernel ends, then wait for q, k and v.
-        pf_hi = tl.minimum(key_hi, context_len)
-        lines = tl.arange(0, HEAD_DIM // LINE) * LINE
-        for start in range(key_lo, pf_hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            block = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=pos < pf_hi, other=0)
-            row = (
-                block.to(tl.int64) * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
-            )
-            _prefetch_l2(k_cache_ptr + row[:, None] + lines[None, :])
-            _prefetch_l2(v_cache_ptr + row[:, None] + lines[None, :])
-        tl.extra.cuda.gdc_wait()
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
     k_row = _load_rotated(k_new_ptr + token.to(tl.int64) * stride_kt, offs_d, token_pos, mine,
                           cos_sin_ptr, stride_cs, ROT_DIM, ROTARY)  # fmt: skip
     v_row = tl.load(v_new_ptr + token.to(tl.int64) * stride_vt + offs_d, mask=mine, other=0.0)
@@ -567,6 +530,7 @@ def _paged_attention_kernel(
     # No program of this launch reads them back from the cache (see _attend_tile). Padding
     # tokens' slot is 0, the runtime's scratch block.
     if split == 0:
+        slot = tl.load(slot_mapping_ptr + token, mask=mine, other=0).to(tl.int64)
         dst = (
             (slot // KV_BLOCK_SIZE) * stride_cache_block
             + (slot % KV_BLOCK_SIZE) * stride_cache_slot
@@ -585,6 +549,8 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    context_len = seq_len - (q_end - q_start)  # keys already in the cache before this step
     # The split holding the last key takes the token's own key from registers (k_row, v_row)
     # after the tile loops: for a decode token the loop over this step's keys then has
     # nothing to do (at batch 256, context ~100, it was one tile step in five).
@@ -1174,8 +1140,6 @@ def _launch_single(
             # A register cap, where a config sets one: more programs resident an SM.
             **{k: config[k] for k in ("maxnreg",) if k in config},
             PDL=pdl,
-            EARLY=pdl > 0 and ab_switch(EARLY_ENV, PagedAttentionKernelError),
-            LINE=128 // kv_cache.element_size(),
             **pdl_launch(pdl > 0),
         )
         if num_splits > 1 and not _FUSED_REDUCE:

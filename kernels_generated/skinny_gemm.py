@@ -73,7 +73,6 @@ from triton.runtime.jit import JITFunction
 from kernels_generated.configs import CONFIG_DIR, ConfigEntry, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
 from kernels_generated.device import (
-    PDL_RELEASE_AT_ONCE,
     ab_switch,
     pdl_enabled,
     pdl_launch,
@@ -504,8 +503,6 @@ def _launch(
     grid = (row_programs, split_k, triton.cdiv(num_rows, block_m))
     even_k = k_per_split * split_k == k_size
     pdl = pdl_mode(x.device, num_rows)
-    if pdl > 0 and w.shape[0] in pdl_settings().at_once_rows:
-        pdl = PDL_RELEASE_AT_ONCE
     counters = _counters(x.device)
     if split_k > 1:
         if grid[0] * grid[2] > MAX_TILES:

@@ -122,15 +122,10 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
-    @property
-    def lm_head_weight(self) -> Tensor:
-        """[V, H]: the lm_head's, or the embedding's where the two are tied."""
-        lm_head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_head.weight
-
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S, H] of the rows that sample -> logits [S, V]."""
-        return hidden @ self.lm_head_weight.t()
+        lm_head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return hidden @ lm_head.weight.t()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -18,7 +18,6 @@ from compiler.artifact import Manifest, device_description, is_artifact
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
 from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes, short_table_widths
-from kernels_generated.device import env_switch
 from models.config import ModelConfig, config_from_dict
 from models.loader import LoadedModel, WeightRead, open_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
@@ -26,7 +25,6 @@ from runtime.activation_profile import activation_bytes
 from runtime.activation_profile import lookup as lookup_activation_bytes
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import (
-    LM_HEAD_SKINNY_ENV,
     InFlightStep,
     ModelRunner,
     TokenLogprobs,
@@ -297,15 +295,6 @@ class LLMEngine:
             waited = self.compiled.backend.stats.before_first_run_seconds
             self.timings["compile_s"] = time.perf_counter() - mark - waited
             self.runner.forward = self.compiled
-            if self.compiled.pass_manager.match_counts.get("skinny_gemm") and env_switch(
-                LM_HEAD_SKINNY_ENV, default=False
-            ):
-                # The lm_head (outside the graph) through the layers' tuned op: per row count
-                # what won the H200 sweep for [128256, 4096], Triton at 32-64 rows (x1.07-1.08
-                # alone), cuBLAS elsewhere. An A/B switch until measured in the engine.
-                from kernels_generated.skinny_gemm import linear
-
-                self.runner.lm_head_linear = linear
             if self._graphs_possible():
                 self._wait_for_weights()  # another thread's copies would break the capture
                 mark = time.perf_counter()

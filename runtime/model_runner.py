@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +23,6 @@ from runtime.sampler import Sampler, SamplingBatch
 from runtime.scheduler import PENDING_TOKEN, SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-LM_HEAD_SKINNY_ENV = "COMPILE_ENGINE_LM_HEAD_SKINNY"  # 1: the engine sets lm_head_linear
 
 # CPU default KV budget, as vLLM's CPU backend: enough for long contexts, small enough for a
 # laptop. Override with num_kv_blocks.
@@ -182,10 +179,6 @@ class ModelRunner:
         # COMPILE_ENGINE_DECODE_SHORTCUTS=0: every step through the general index path, for
         # the A/B of the decode-step shortcuts below (read once).
         self.decode_shortcuts = env_switch("COMPILE_ENGINE_DECODE_SHORTCUTS", default=True)
-        # How the sampled rows' logits are computed: None, the model's compute_logits (cuBLAS
-        # on CUDA); else linear(hidden, lm_head weight), which the engine sets with
-        # COMPILE_ENGINE_LM_HEAD_SKINNY=1 (an A/B switch, off until measured in the engine).
-        self.lm_head_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -305,10 +298,10 @@ class ModelRunner:
         if not sampling:
             return InFlightStep(step, [], None, None, None)
         if self.decode_shortcuts and len(inputs.sample_rows) == hidden.shape[0]:
-            logits = self._logits(hidden)  # every token samples (rows 0..T-1)
+            logits = self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
         else:
             rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
-            logits = self._logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],
             [r.prompt_token_ids for r in sampling],
@@ -332,11 +325,6 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return InFlightStep(step, sampling, out.token_ids, host, done)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_linear is None:
-            return self.model.compute_logits(hidden)
-        return self.lm_head_linear(hidden, self.model.lm_head_weight)
 
     def collect(self, flight: InFlightStep) -> RunnerOutput:
         """Wait for a launched step's tokens (the step's one device-to-host sync)."""

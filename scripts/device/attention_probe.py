@@ -18,8 +18,8 @@ replay's time a layer against the full chain:
   - PDL off: every launch plain.
 Then the split choice from short contexts to long (40 to 4,000 keys): the wide table's, with
 a larger MIN_SPLIT_KEYS, and one split; and at 40-160 keys, where the engine now runs
-unsplit, 2-3 splits sharing the keys and the unsplit launch's BLOCK_N, warps and stages
-(added after the runs below, not yet run).
+unsplit, 2-3 splits sharing the keys and the unsplit launch's BLOCK_N, warps and stages.
+--ablation-only skips the sweeps.
 Context 100 keys (the latency benchmark's decode runs 33-160). Run at bc18130 (the wide
 table, 33 splits, of which 2 hold keys at this context, and "one split" in place of the
 wide-table and PDL rows) on the H200 (us a layer, two rounds): full chain
@@ -30,7 +30,15 @@ section 6, item 10); that run timed its own graph replays, since then `bench gem
 908d9f3 (the sweep's first run; a removed variant, splits without keys returning before the
 PDL wait, lost 0.3-0.6 us a layer everywhere), one split against the table's 33: -0.75 /
 -1.38 / +0.05 / +19.4 / +89.0 us a layer at 40 / 100 / 160 / 1,000 / 4,000 keys, hence a
-batch-1 launch on a table of <= 160 keys runs unsplit (`UNSPLIT_KEYS`). On the
+batch-1 launch on a table of <= 160 keys runs unsplit (`UNSPLIT_KEYS`). At 0cf8407 (full
+chain the short-context graph): full chain 118.80 / 119.63, none -5.99, own key only -3.24,
+wide table +1.83, o_proj released at once +0.18, prefetched whole +2.61, both +1.60, PDL off
++3.92; on the short table, against one split, 2-3 splits +0.6 to +1.2 except 3 splits at 160
+keys (-0.88), BLOCK_N 128 -0.30 at 100 keys but +0.45 at 160, 8 warps / 3 stages / BLOCK_N 32
++0.02 to +2.8: nothing to change. At a805b06, two removed variants: attention reading its
+metadata and prefetching its cached K/V into L2 before the PDL wait +0.42, with the qkv GEMM
+releasing it at once (so the prefetch runs during the whole GEMM) +0.20, the release alone
++0.76 (engine: 246.6 / 246.7 and 246.7 / 246.7 tok/s against 246.5 / 246.2). On the
 device, after decode_bench.sh's wheel install line (carry [".whl"]):
     PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
 """
@@ -49,7 +57,6 @@ import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
 from kernels_generated.device import (
-    PDL_AT_ONCE_ROWS_ENV,
     PDL_ATTENTION_TRIGGER_ENV,
     PDL_ENV,
     PDL_PREFETCH_ENV,
@@ -200,10 +207,6 @@ def main() -> None:
     splits = pa.choose_num_splits(1, KV_HEADS, short_width * BLOCK, torch.device(DEV))
     released = {PDL_ATTENTION_TRIGGER_ENV: "1"}  # attention releases o_proj right after its wait
     whole = {PDL_PREFETCH_ENV: "34"}  # o_proj (32 MiB) prefetches its whole slice into L2
-    # Attention reads its metadata and prefetches its cached K/V before the wait; the qkv GEMM
-    # releases it right after its own wait, so that happens during the whole GEMM.
-    early = {pa.EARLY_ENV: "1"}
-    qkv_at_once = {PDL_AT_ONCE_ROWS_ENV: str((HEADS + 2 * KV_HEADS) * HEAD_DIM)}
     ablations = {
         "full chain": (lambda: forward(layers, meta, x, residual), {}),
         "none": (lambda: forward(layers, meta, x, residual, attention="none"), {}),
@@ -216,15 +219,6 @@ def main() -> None:
         "both": (
             lambda: forward(layers, meta, x, residual),
             {"env": {**released, **whole}},
-        ),
-        "early": (lambda: forward(layers, meta, x, residual), {"env": early}),
-        "early, qkv releases at once": (
-            lambda: forward(layers, meta, x, residual),
-            {"env": {**early, **qkv_at_once}},
-        ),
-        "qkv releases at once": (
-            lambda: forward(layers, meta, x, residual),
-            {"env": qkv_at_once},
         ),
     }
     ablation = {}
