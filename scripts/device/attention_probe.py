@@ -56,6 +56,7 @@ import torch
 import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
+from kernels_generated.attention_o_proj import attention_o_proj
 from kernels_generated.device import (
     PDL_ATTENTION_TRIGGER_ENV,
     PDL_ENV,
@@ -113,11 +114,22 @@ def step_inputs(context: int, table_width: int = TABLE_WIDTH) -> dict:
     }
 
 
-def forward(layers, meta, x, residual, attention="full", num_splits=None, rotary=True):
+def forward(layers, meta, x, residual, attention="full", num_splits=None, rotary=True, fused=None):
+    fused = fused or {}
     fixed = torch.zeros(1, HEADS, HEAD_DIM, device=DEV, dtype=DT)
     for w in layers:
         qkv, residual = sg.add_rms_norm_linear(x, residual, w["norm1"], 1e-5, w["qkv"], False)
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+        if attention == "fused":  # attention inside the o_proj launch (attention_o_proj.py)
+            x = attention_o_proj(
+                q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM),
+                v.view(1, KV_HEADS, HEAD_DIM), w["cache"], meta["slots"], meta["block_tables"],
+                meta["seq_lens"], meta["scale"], w["o"], positions=meta["positions"],
+                cos_sin_cache=meta["cos_sin"], **fused,
+            )  # fmt: skip
+            up, residual = sg.add_rms_norm_linear(x, residual, w["norm2"], 1e-5, w["gate_up"], True)
+            x = sg.linear(up, w["down"])
+            continue
         if attention == "none":
             out = fixed
         else:
@@ -221,6 +233,15 @@ def main() -> None:
             {"env": {**released, **whole}},
         ),
     }
+    for name, kwargs in {
+        "fused into o_proj": {},
+        "fused, 4 warps": {"num_warps": 4},
+        "fused, BLOCK_N 32": {"block_n": 32},
+    }.items():
+        ablations[name] = (
+            lambda kw=kwargs: forward(layers, meta, x, residual, attention="fused", fused=kw),
+            {},
+        )
     ablation = {}
     for _ in range(2):  # two rounds, variants alternating, against clock drift
         for name, (fn, setting) in ablations.items():

@@ -517,3 +517,66 @@ def test_compare_outputs_fails_on_a_cache_or_output_off_the_reference():
     pa.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache", atol=0.1)
     with pytest.raises(AssertionError, match="latent cache after the kernel differs"):
         pa.compare_outputs(expected, expected, (cache, cache + 1), "latent cache")
+
+
+# ------------------------------------------- attention fused into o_proj (batch 1, experiment)
+
+
+def _attention_o_proj_case(context: int, dtype: torch.dtype, rot: bool, device: str = "cpu",
+                           n_size: int = 200, **shape) -> None:  # fmt: skip
+    """attention_o_proj against the reference attention, rounded to the dtype, then F.linear;
+    the cache it writes must equal the reference's."""
+    from kernels_generated.attention_o_proj import attention_o_proj
+
+    batch = pa.make_batch([1], [context + 1], dtype=dtype, device=device, seed=3, **shape)
+    gen = torch.Generator(device=device).manual_seed(4)
+    hidden = batch.q.shape[1] * batch.q.shape[2]
+    w_o = (torch.randn(n_size, hidden, generator=gen, device=device) * hidden**-0.5).to(dtype)
+    cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
+    slot, table, seq_lens, qsl = batch.args()[4:8]
+    if rot:
+        q, k, v, positions, cos_sin = pa.rotary_inputs(batch, batch.q.shape[-1])
+        attn = pa.paged_attention_rotary_ref(
+            q, k, v, cache_ref, slot, table, seq_lens, qsl, batch.scale, positions, cos_sin
+        )
+        rotary = {"positions": positions, "cos_sin_cache": cos_sin}
+        q, k, v = (t.view(1, -1, batch.q.shape[2]) for t in (q, k, v))
+    else:
+        q, k, v = batch.q, batch.k, batch.v
+        attn = paged_attention_ref(q, k, v, cache_ref, slot, table, seq_lens, qsl, batch.scale)
+        rotary = {}
+    expected = torch.nn.functional.linear(attn.to(dtype).reshape(1, -1).float(), w_o.float())
+    got = attention_o_proj(q, k, v, cache_out, slot, table, seq_lens, batch.scale, w_o, **rotary)
+    atol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    pa.compare_outputs(got.float(), expected, (cache_out, cache_ref), "kv_cache", atol=atol)
+    assert not ALLOCATED[("attention_o_proj", torch.device(device))].any()  # zero again
+
+
+@interpreted
+@pytest.mark.parametrize("context", [0, 1, 9, 38])
+@pytest.mark.parametrize(("dtype", "rot"), [(torch.float32, False), (torch.float16, True)])
+def test_attention_o_proj_matches_attention_then_linear(context: int, dtype, rot: bool):
+    # context 0: the token's own key only; 38: 10 blocks of 4, a ragged last key tile. 200
+    # output rows: a partial last chunk of BLOCK_O; 8 query heads on 2 KV heads: group 4.
+    _attention_o_proj_case(context, dtype, rot, num_q_heads=8)
+
+
+@interpreted
+def test_attention_o_proj_refuses_what_it_does_not_take():
+    from kernels_generated.attention_o_proj import MAX_KEYS, attention_o_proj
+
+    batch = pa.make_batch([1, 1], [4, 5])
+    w_o = torch.zeros(8, batch.q.shape[1] * batch.q.shape[2])
+    rest = batch.args()[3:7]
+    with pytest.raises(pa.PagedAttentionKernelError, match="one token of one sequence"):
+        attention_o_proj(batch.q, batch.k, batch.v, *rest, batch.scale, w_o)
+    long = pa.make_batch([1], [MAX_KEYS + 1])
+    with pytest.raises(pa.PagedAttentionKernelError, match=f"at most {MAX_KEYS} keys"):
+        attention_o_proj(long.q, long.k, long.v, *long.args()[3:7], long.scale, w_o)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("context", [0, 100, 159])
+def test_gpu_attention_o_proj_bf16(context: int):
+    _attention_o_proj_case(context, torch.bfloat16, True, "cuda", n_size=4096, **LLAMA8B)
