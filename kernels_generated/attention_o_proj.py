@@ -94,6 +94,8 @@ def _attention_o_proj_kernel(
     PDL: tl.constexpr = 0,  # as the attention kernel's; 3 releases the next after the GEMM
     PREFETCH: tl.constexpr = False,  # the weight slice into L2 before the wait (GPU only)
     LINE: tl.constexpr = 64,  # weight elements a 128-byte line
+    EARLY_TILE: tl.constexpr = False,  # the first query head's weight tile before the wait
+    W_STAGES: tl.constexpr = 1,  # the weight loop's pipeline depth (GPU)
 ):
     pid_o = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,6 +108,9 @@ def _attention_o_proj_kernel(
         lines = tl.arange(0, HEAD_DIM // LINE) * LINE
         for g in tl.static_range(GROUP):
             _prefetch_l2(w_rows + g * HEAD_DIM + lines[None, :])
+    if EARLY_TILE:
+        # Query head 0's columns into registers before the wait: nothing ahead writes them.
+        w0 = tl.load(w_rows + offs_d[None, :], mask=mask_o[:, None], other=0.0)
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
 
@@ -156,10 +161,21 @@ def _attention_o_proj_kernel(
     attn = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
 
     part = tl.zeros([BLOCK_O], tl.float32)
-    for g in tl.static_range(GROUP):
-        a = tl.sum(tl.where(offs_g[:, None] == g, attn, 0.0), axis=0)  # query head g's output
-        w = tl.load(w_rows + g * HEAD_DIM + offs_d[None, :], mask=mask_o[:, None], other=0.0)
-        part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    first = 0
+    if EARLY_TILE:
+        a = tl.sum(tl.where(offs_g[:, None] == 0, attn, 0.0), axis=0)
+        part += tl.sum(w0.to(tl.float32) * a[None, :], axis=1)
+        first = 1
+    if COMPUTE_F32:
+        for g in range(first, GROUP):
+            a = tl.sum(tl.where(offs_g[:, None] == g, attn, 0.0), axis=0)  # query head g's
+            w = tl.load(w_rows + g * HEAD_DIM + offs_d[None, :], mask=mask_o[:, None], other=0.0)
+            part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    else:
+        for g in tl.range(first, GROUP, num_stages=W_STAGES):
+            a = tl.sum(tl.where(offs_g[:, None] == g, attn, 0.0), axis=0)  # query head g's
+            w = tl.load(w_rows + g * HEAD_DIM + offs_d[None, :], mask=mask_o[:, None], other=0.0)
+            part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     if PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(ws_ptr + kv_head * N + offs_o, part, mask=mask_o)
@@ -190,6 +206,9 @@ def attention_o_proj(
     cos_sin_cache: Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 8,
+    early_tile: bool = False,
+    w_stages: int = 1,
+    prefetch: bool = True,
 ) -> Tensor:
     """F.linear(paged_attention(q, k, v, ...).reshape(1, -1), w_o) for one decode token of
     one sequence of at most MAX_KEYS keys (q [1, Hq, D], k and v [1, Hkv, D]); writes k and v
@@ -245,8 +264,10 @@ def attention_o_proj(
             num_warps=num_warps,
             num_stages=2,
             PDL=pdl,
-            PREFETCH=pdl > 0 and head_dim % (128 // w_o.element_size()) == 0,
+            PREFETCH=prefetch and pdl > 0 and head_dim % (128 // w_o.element_size()) == 0,
             LINE=128 // w_o.element_size(),
+            EARLY_TILE=early_tile,
+            W_STAGES=w_stages,
             **pdl_launch(pdl > 0),
         )  # fmt: skip
     return out

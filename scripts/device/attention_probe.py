@@ -235,8 +235,12 @@ def main() -> None:
     }
     for name, kwargs in {
         "fused into o_proj": {},
-        "fused, 4 warps": {"num_warps": 4},
-        "fused, BLOCK_N 32": {"block_n": 32},
+        "fused, no prefetch": {"prefetch": False},
+        "fused, weight loop 2 stages": {"w_stages": 2},
+        "fused, weight loop 4 stages": {"w_stages": 4},
+        "fused, head 0's tile early": {"early_tile": True},
+        "fused, early tile, 3 stages": {"early_tile": True, "w_stages": 3},
+        "fused, early tile, no prefetch": {"early_tile": True, "prefetch": False},
     }.items():
         ablations[name] = (
             lambda kw=kwargs: forward(layers, meta, x, residual, attention="fused", fused=kw),

@@ -528,6 +528,7 @@ def _attention_o_proj_case(context: int, dtype: torch.dtype, rot: bool, device: 
     the cache it writes must equal the reference's."""
     from kernels_generated.attention_o_proj import attention_o_proj
 
+    options = {k: shape.pop(k) for k in ("early_tile", "w_stages") if k in shape}
     batch = pa.make_batch([1], [context + 1], dtype=dtype, device=device, seed=3, **shape)
     gen = torch.Generator(device=device).manual_seed(4)
     hidden = batch.q.shape[1] * batch.q.shape[2]
@@ -546,19 +547,22 @@ def _attention_o_proj_case(context: int, dtype: torch.dtype, rot: bool, device: 
         attn = paged_attention_ref(q, k, v, cache_ref, slot, table, seq_lens, qsl, batch.scale)
         rotary = {}
     expected = torch.nn.functional.linear(attn.to(dtype).reshape(1, -1).float(), w_o.float())
-    got = attention_o_proj(q, k, v, cache_out, slot, table, seq_lens, batch.scale, w_o, **rotary)
+    got = attention_o_proj(
+        q, k, v, cache_out, slot, table, seq_lens, batch.scale, w_o, **rotary, **options
+    )
     atol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     pa.compare_outputs(got.float(), expected, (cache_out, cache_ref), "kv_cache", atol=atol)
-    assert not ALLOCATED[("attention_o_proj", torch.device(device))].any()  # zero again
+    assert not ALLOCATED[("attention_o_proj", got.device)].any()  # zero again
 
 
 @interpreted
 @pytest.mark.parametrize("context", [0, 1, 9, 38])
 @pytest.mark.parametrize(("dtype", "rot"), [(torch.float32, False), (torch.float16, True)])
-def test_attention_o_proj_matches_attention_then_linear(context: int, dtype, rot: bool):
+@pytest.mark.parametrize("early_tile", [False, True])
+def test_attention_o_proj_matches_attention_then_linear(context: int, dtype, rot, early_tile):
     # context 0: the token's own key only; 38: 10 blocks of 4, a ragged last key tile. 200
     # output rows: a partial last chunk of BLOCK_O; 8 query heads on 2 KV heads: group 4.
-    _attention_o_proj_case(context, dtype, rot, num_q_heads=8)
+    _attention_o_proj_case(context, dtype, rot, num_q_heads=8, early_tile=early_tile)
 
 
 @interpreted
@@ -578,5 +582,6 @@ def test_attention_o_proj_refuses_what_it_does_not_take():
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("context", [0, 100, 159])
-def test_gpu_attention_o_proj_bf16(context: int):
-    _attention_o_proj_case(context, torch.bfloat16, True, "cuda", n_size=4096, **LLAMA8B)
+@pytest.mark.parametrize("options", [{}, {"early_tile": True, "w_stages": 3}], ids=["", "early"])
+def test_gpu_attention_o_proj_bf16(context: int, options: dict):
+    _attention_o_proj_case(context, torch.bfloat16, True, "cuda", n_size=4096, **LLAMA8B, **options)
