@@ -38,7 +38,16 @@ keys (-0.88), BLOCK_N 128 -0.30 at 100 keys but +0.45 at 160, 8 warps / 3 stages
 +0.02 to +2.8: nothing to change. At a805b06, two removed variants: attention reading its
 metadata and prefetching its cached K/V into L2 before the PDL wait +0.42, with the qkv GEMM
 releasing it at once (so the prefetch runs during the whole GEMM) +0.20, the release alone
-+0.76 (engine: 246.6 / 246.7 and 246.7 / 246.7 tok/s against 246.5 / 246.2). On the
++0.76 (engine: 246.6 / 246.7 and 246.7 / 246.7 tok/s against 246.5 / 246.2). At 631cf3c / 8dedeb8
+attention fused into the o_proj launch (removed; the kernel is in 8dedeb8's
+kernels_generated/attention_o_proj.py): program (n, h) computed KV head h's attention (the
+same in all 32 programs of the head, keys from L2), multiplied its 128 rows of o_proj's
+columns for that head by it, and the last of the 8 programs of rows n summed the partials;
++2.87 / +2.84 us a layer with its o_proj slice prefetched into L2 before the PDL wait, +1.29
+without the prefetch, +4.6 / +5.6 with 4 warps / BLOCK_N 32, and +9.8 to +21.6 holding the
+first weight tile in registers across the attention or pipelining the weight loop (register
+pressure): the weight cannot start streaming into the SMs before the attention is done, and
+staging 32 MiB of it in L2 meanwhile loses, as the prefetch rows above do. On the
 device, after decode_bench.sh's wheel install line (carry [".whl"]):
     PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
 """
@@ -56,7 +65,6 @@ import torch
 import kernels_generated.paged_attention as pa
 from benchmarks.gemm import graph_time_us
 from kernels_generated import skinny_gemm as sg
-from kernels_generated.attention_o_proj import attention_o_proj
 from kernels_generated.device import (
     PDL_ATTENTION_TRIGGER_ENV,
     PDL_ENV,
@@ -114,22 +122,11 @@ def step_inputs(context: int, table_width: int = TABLE_WIDTH) -> dict:
     }
 
 
-def forward(layers, meta, x, residual, attention="full", num_splits=None, rotary=True, fused=None):
-    fused = fused or {}
+def forward(layers, meta, x, residual, attention="full", num_splits=None, rotary=True):
     fixed = torch.zeros(1, HEADS, HEAD_DIM, device=DEV, dtype=DT)
     for w in layers:
         qkv, residual = sg.add_rms_norm_linear(x, residual, w["norm1"], 1e-5, w["qkv"], False)
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
-        if attention == "fused":  # attention inside the o_proj launch (attention_o_proj.py)
-            x = attention_o_proj(
-                q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM),
-                v.view(1, KV_HEADS, HEAD_DIM), w["cache"], meta["slots"], meta["block_tables"],
-                meta["seq_lens"], meta["scale"], w["o"], positions=meta["positions"],
-                cos_sin_cache=meta["cos_sin"], **fused,
-            )  # fmt: skip
-            up, residual = sg.add_rms_norm_linear(x, residual, w["norm2"], 1e-5, w["gate_up"], True)
-            x = sg.linear(up, w["down"])
-            continue
         if attention == "none":
             out = fixed
         else:
@@ -233,19 +230,6 @@ def main() -> None:
             {"env": {**released, **whole}},
         ),
     }
-    for name, kwargs in {
-        "fused into o_proj": {},
-        "fused, no prefetch": {"prefetch": False},
-        "fused, weight loop 2 stages": {"w_stages": 2},
-        "fused, weight loop 4 stages": {"w_stages": 4},
-        "fused, head 0's tile early": {"early_tile": True},
-        "fused, early tile, 3 stages": {"early_tile": True, "w_stages": 3},
-        "fused, early tile, no prefetch": {"early_tile": True, "prefetch": False},
-    }.items():
-        ablations[name] = (
-            lambda kw=kwargs: forward(layers, meta, x, residual, attention="fused", fused=kw),
-            {},
-        )
     ablation = {}
     for _ in range(2):  # two rounds, variants alternating, against clock drift
         for name, (fn, setting) in ablations.items():
