@@ -234,14 +234,9 @@ def main() -> None:
     for _ in range(2):  # two rounds, variants alternating, against clock drift
         for name, (fn, setting) in ablations.items():
             ablation.setdefault(name, []).append(timed(fn, **setting))
-    if args.ablation_only:
-        print_rows(f"batch 1, context {CONTEXT}, {splits} splits chosen; us a layer (2 rounds):",
-                   ablation, "full chain")  # fmt: skip
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"context": CONTEXT, "splits": splits, "us_per_layer": ablation}, f,
-                          indent=2)  # fmt: skip
-        return
+    sweep_contexts, short_contexts = (
+        ((), ()) if args.ablation_only else (SWEEP_CONTEXTS, SHORT_CONTEXTS)
+    )
     # How a batch-1 split choice fares from short contexts to long: the table's (33 splits
     # sharing a sequence's keys at least MIN_SPLIT_KEYS each), with a larger MIN_SPLIT_KEYS,
     # and no split at all.
@@ -252,7 +247,7 @@ def main() -> None:
         "one split": {"num_splits": 1},
     }
     sweep: dict[int, dict] = {}
-    for context in SWEEP_CONTEXTS:
+    for context in sweep_contexts:
         step = step_inputs(context)
         for _ in range(2):
             for name, choice in choices.items():
@@ -274,7 +269,7 @@ def main() -> None:
         "one split, BLOCK_N 32, 2 warps": {"num_splits": 1, "BLOCK_N": 32, "num_warps": 2},
     }
     short_sweep: dict[int, dict] = {}
-    for context in SHORT_CONTEXTS:
+    for context in short_contexts:
         step = step_inputs(context)
         for _ in range(2):
             for name, choice in short_choices.items():

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Try engine switches that are off by default: the GPU tests with every variant's settings on
 # at once (the decode kernels' tests and tests/gpu/test_h100.py, the HF oracle), the attention
-# probe, then a `bench latency` A/B of the defaults against each variant at BATCHES (default
-# 1; e.g. BATCHES=1,64; PROBE_ARGS=--ablation-only skips the probe's split sweeps), ROUNDS rounds (default 2), the variants' order reversed in the
-# second. A variant is a quoted string of VAR=value settings, as latency_ab.sh takes. Usage on
-# the device, from the repo root:
+# probe (PROBE_ARGS=--ablation-only skips its split sweeps), then a `bench latency` A/B of the
+# defaults against each variant at BATCHES (default 1; e.g. BATCHES=1,64), ROUNDS rounds
+# (default 2), the variants' order reversed in the second. A variant is a quoted string of
+# VAR=value settings, as latency_ab.sh takes. Usage on the device, from the repo root:
 #   bash scripts/device/switches.sh <commit> "COMPILE_ENGINE_NORM_DEFER_SUM=0" ...
 # carry [".whl"]. At 908d9f3 with three variants the tests and the probe took 145 s and the
 # A/B of two variants 196 s, more than one call may run: SKIP_AB=1 runs the first part,
