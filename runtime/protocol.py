@@ -3,16 +3,30 @@ here). Field names and defaults follow OpenAI's API reference; the extras (top_k
 repetition_penalty, ignore_eos, cache_salt, ...) follow vLLM's names so existing clients work.
 
 Unknown fields are ignored, as vLLM does, so that clients sending newer OpenAI fields still get
-an answer. Range checks that SamplingParams already makes are not repeated here: its typed
-error names the field and the server turns it into a 400. What is checked here is what would
-otherwise reach torch as garbage: types, NaN/inf, and integers beyond int64.
+an answer; the exception is a field this server does not implement and whose absence would change
+what the answer means (tools, response_format, ...): each request model lists those in
+`UNSUPPORTED`, and `refuse_unsupported` turns one that is switched on into a 400 naming it. Range
+checks that SamplingParams already makes are not repeated here: its typed error names the field
+and the server turns it into a 400. What is checked here is what would otherwise reach torch as
+garbage: types (strictly, as OpenAI does: "5" is not a number and true is not 1), NaN/inf, and
+integers beyond int64.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 # torch.Generator.manual_seed and torch.long tensors take int64.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -20,13 +34,20 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # queueing an unbounded number of them.
 MAX_N = 64
 MAX_PROMPTS = 64
+# Every stop string is searched for after every token, in the engine's one thread: a list of
+# 150k of them from one client doubled the latency of every other request on the server.
+MAX_STOP = 64
 
 Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: JSON types are taken as sent (a float field still takes an integer). Lax mode would
+    # read max_tokens "5" as 5, true as 1, and stream "yes" as true.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # Field -> the values that mean "off"; any other value is refused (see refuse_unsupported).
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
 
 class StreamOptions(_Model):
@@ -59,8 +80,39 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise PydanticCustomError(
+                "too_many_stops",
+                "at most {limit} stop strings per request, got {count}",
+                {"limit": MAX_STOP, "count": len(stop)},
+            )
+        return stop
+
+
+# Generation features of OpenAI's API or vLLM's extras that this engine does not implement.
+_UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+}
+
 
 class CompletionRequest(_SamplingFields):
+    UNSUPPORTED = _UNSUPPORTED_SAMPLING
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int64 | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -87,28 +139,122 @@ class TextPart(_Model):
     text: str
 
 
+# OpenAI's roles. Another role would reach the chat template as is and be rendered as a speaker
+# the model has never seen.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(_Model):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Accepted only empty: a conversation with tool calls cannot be rendered faithfully here.
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """One clear reason for bad content, rather than pydantic's per-union-member list."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise PydanticCustomError(
+                "content_type", "content must be a string or a list of text parts"
+            )
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PydanticCustomError(
+                    "unsupported_content",
+                    "content part {index} has type {kind}, but this server's model reads text "
+                    "only; send the text as a string or as parts of type 'text'",
+                    {"index": i, "kind": repr(kind)},
+                )
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError(
+                    "text_part",
+                    "content part {index} of type 'text' needs a string 'text'",
+                    {"index": i},
+                )
+        return content
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        if value:
+            raise PydanticCustomError(
+                "unsupported",
+                "tool_calls and function_call are not supported: this server does not implement "
+                "tools; send the assistant's turn as content",
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # Only an assistant turn may lack content (OpenAI allows it beside tool calls).
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError(
+                "missing_content", "a {role} message needs content", {"role": self.role}
+            )
+        return self
 
     def template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM joins them
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
         return message
 
 
+# apply_chat_template's own arguments, which a template variable must not replace.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's chat_template_kwargs: extra variables for the chat template (Qwen3's
+    enable_thinking, for one)."""
+    clash = sorted(set(kwargs or ()) & _TEMPLATE_ARGUMENTS)
+    if clash:
+        raise PydanticCustomError(
+            "template_argument",
+            "{names} is an argument of the chat template call, not a template variable; set it "
+            "with the request's own field or leave it out",
+            {"names": ", ".join(clash)},
+        )
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_variables)]
+
+
 class ChatCompletionRequest(_SamplingFields):
+    UNSUPPORTED = _UNSUPPORTED_SAMPLING | {
+        "tools": (None, []),
+        "tool_choice": (None, "none", "auto"),
+        "functions": (None, []),
+        "function_call": (None, "none", "auto"),
+        "audio": (None,),
+        "modalities": (None, ["text"]),
+        "echo": (None, False),
+        "continue_final_message": (None, False),
+        "chat_template": (None,),
+        "documents": (None, []),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class TokenizeRequest(_Model):
@@ -117,6 +263,7 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class DetokenizeRequest(_Model):
@@ -154,6 +301,20 @@ def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def refuse_unsupported(body: dict[str, Any], model: type[_Model]) -> None:
+    """Raise a 400 naming the first field of `model.UNSUPPORTED` that `body` switches on."""
+    for name, off in model.UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            hint = " or ".join(json.dumps(v) for v in off if v is not None)
+            raise APIError(
+                400,
+                f"{name} is not supported by this server; leave it out"
+                + (f" or set it to {hint}" if hint else ""),
+                param=name,
+                code="unsupported",
+            )
 
 
 def validation_error(exc: ValidationError) -> APIError:

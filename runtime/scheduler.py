@@ -145,7 +145,11 @@ class Scheduler:
                 f"to at most {cfg.max_model_len - 1} tokens"
             )
         if request.max_tokens is None:
-            request.max_tokens = cfg.max_model_len - n_prompt
+            # No limit asked: as far as max_model_len and the pool both allow (a pool smaller
+            # than one max_model_len sequence, e.g. --num-kv-blocks set low, would otherwise
+            # refuse every such request; the last token needs no KV slot).
+            room = min(cfg.max_model_len, (cfg.num_blocks - 1) * cfg.block_size + 1)
+            request.max_tokens = max(room - n_prompt, 1)
         if n_prompt + request.max_tokens > cfg.max_model_len:
             raise RequestTooLong(
                 f"request {request.request_id!r} has {n_prompt} prompt tokens and asks for "

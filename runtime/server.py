@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (aiohttp): `compile-engine serve MODEL`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE or not),
-GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics. docs/server.md
-has the request fields, error shapes and metrics.
+GET /v1/models, GET /v1/models/{model}, GET /health, POST /tokenize, POST /detokenize,
+GET /metrics. docs/server.md has the request fields, error shapes and metrics.
 
 Every error leaves in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; an
 unexpected exception is logged with its traceback and answered with a bare 500. Requests run on
@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -40,6 +41,7 @@ from runtime.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    refuse_unsupported,
     validation_error,
 )
 from runtime.sampling_params import InvalidSamplingParams, SamplingParams
@@ -54,6 +56,9 @@ SHUTDOWN_GRACE_S = 10.0
 _GREEDY_EPS = 1e-5
 # A logprob of -inf is not JSON; OpenAI and vLLM report this floor instead.
 _MIN_LOGPROB = -9999.0
+# JSON can escape a lone UTF-16 surrogate ("\ud800"), which json.loads turns into a str that no
+# tokenizer or UTF-8 encoder takes. Bodies without such an escape skip the check.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 ASYNC_LLM = web.AppKey("async_llm", AsyncLLM)
 _STATE = web.AppKey("state", "_State")
@@ -110,6 +115,7 @@ def build_app(
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
@@ -208,12 +214,31 @@ async def _read_json(request: web.Request, model: type[_M]) -> _M:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
+    refuse_unsupported(body, model)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
     except RecursionError:
         raise APIError(400, "the body is nested too deeply", code="invalid_value") from None
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        try:
+            json.dumps({name: value}, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise APIError(
+                400,
+                f"{name} has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                "pair), which is not text; send valid Unicode",
+                param=name,
+                code="invalid_value",
+            ) from None
+        except RecursionError:
+            raise APIError(400, "the body is nested too deeply", code="invalid_value") from None
 
 
 def _check_model(state: _State, model: str | None) -> None:
@@ -255,7 +280,7 @@ def _sampling_params(
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
-    if kwargs.get("temperature", 1.0) < _GREEDY_EPS:
+    if 0 < kwargs.get("temperature", 1.0) < _GREEDY_EPS:  # negative ones are refused below
         kwargs["temperature"] = 0.0
     try:
         return SamplingParams(**kwargs)
@@ -395,10 +420,11 @@ async def _stream(
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
-    await response.prepare(request)
     choices: dict[int, _Choice] = {}
     final: list[RequestOutput] = []
     try:
+        # Inside the try: a client gone before the headers go out must abort the run too.
+        await response.prepare(request)
         try:
             while not run.done:
                 out = await run.next()
@@ -492,6 +518,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         raise APIError(
             400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code="invalid_value"
         )
+    if any(len(p) == 0 for p in prompts):
+        # Caught here: the scheduler's RequestTooLong would answer context_length_exceeded, on
+        # which clients shorten the prompt.
+        raise APIError(
+            400, "a prompt is empty; send at least one token", param="prompt", code="invalid_value"
+        )
     if any(isinstance(p, str) for p in prompts) and state.engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
     params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
@@ -573,14 +605,21 @@ def _total_usage(outputs: list[RequestOutput]) -> dict[str, int]:
 # -- /v1/chat/completions ---------------------------------------------------------------------
 
 
-def _chat_prompt(state: _State, messages: list[dict[str, Any]], add_generation_prompt: bool):
+def _chat_prompt(
+    state: _State,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    variables: dict[str, Any] | None = None,
+) -> list[int]:
+    """The prompt's token ids; `variables` (chat_template_kwargs) reach the template."""
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(variables or {}),
+        )  # fmt: skip
     except Exception as exc:  # jinja raises for conversations the template refuses
         raise APIError(
             400, f"the chat template rejected the messages: {exc}", param="messages"
@@ -618,7 +657,9 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     messages = [m.template_dict() for m in req.messages]
     # Tokenizing in the engine thread keeps every tokenizer call on one thread.
     prompt = await llm.run_in_engine_thread(
-        functools.partial(_chat_prompt, state, messages, req.add_generation_prompt)
+        functools.partial(
+            _chat_prompt, state, messages, req.add_generation_prompt, req.chat_template_kwargs
+        )
     )
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = _Run(llm, response_id, 1)
@@ -676,9 +717,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 # -- the small endpoints ----------------------------------------------------------------------
 
 
-async def _models(request: web.Request) -> web.Response:
-    state = request.app[_STATE]
-    card = {
+def _model_card(state: _State) -> dict[str, Any]:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
@@ -686,7 +726,17 @@ async def _models(request: web.Request) -> web.Response:
         "root": state.engine.config.model,
         "max_model_len": state.engine.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[_STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: what the openai client's `models.retrieve` asks."""
+    state = request.app[_STATE]
+    _check_model(state, request.match_info["model"])
+    return web.json_response(_model_card(state))
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -704,7 +754,7 @@ async def _metrics(request: web.Request) -> web.Response:
 def _encode(state: _State, req: TokenizeRequest) -> list[int]:
     if req.messages is not None:
         messages = [m.template_dict() for m in req.messages]
-        return _chat_prompt(state, messages, req.add_generation_prompt)
+        return _chat_prompt(state, messages, req.add_generation_prompt, req.chat_template_kwargs)
     tokens = state.engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return [int(t) for t in tokens]
 

@@ -158,6 +158,17 @@ def test_max_tokens_none_fills_up_to_max_model_len() -> None:
     assert done.num_tokens == 20 and done.finish_reason == "length"
 
 
+def test_max_tokens_none_stops_where_a_small_pool_ends() -> None:
+    # 4 usable blocks of 16 tokens hold 64 KV slots, less than one max_model_len sequence: a
+    # request without max_tokens runs to 65 tokens (its last needs no slot), not refused.
+    sched = make_scheduler(max_model_len=1000, num_blocks=5)
+    sched.add_request(make_request("a", [1] * 60, max_tokens=None))
+    (done,) = run_to_completion(sched)
+    assert done.num_tokens == 65 and done.finish_reason == "length"
+    with pytest.raises(RequestTooLong, match="needs 5 KV blocks.*only 4 usable"):
+        sched.add_request(make_request("b", [1] * 65, max_tokens=None))  # the prompt alone
+
+
 def test_bounded_waiting_queue_and_duplicate_ids() -> None:
     sched = make_scheduler(max_waiting=1)
     sched.add_request(make_request("a", [1]))
