@@ -37,6 +37,7 @@ MAX_PROMPTS = 64
 # Every stop string is searched for after every token, in the engine's one thread: a list of
 # 150k of them from one client doubled the latency of every other request on the server.
 MAX_STOP = 64
+MAX_STOP_TOKEN_IDS = 1024  # a model's special tokens fit many times over
 
 Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
@@ -75,7 +76,8 @@ class _SamplingFields(_Model):
     repetition_penalty: float | None = None
     min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Int64] | None = None
+    # Looked up after every token like the stop strings; ids are vocabulary indices.
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None

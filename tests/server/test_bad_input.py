@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from server_harness import API_KEY, MODEL_NAME
 
-from runtime.protocol import MAX_STOP
+from runtime.protocol import MAX_STOP, MAX_STOP_TOKEN_IDS
 from runtime.server import ASYNC_LLM
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -102,6 +102,12 @@ def test_wrong_types_are_400_not_coerced(http, path, field, value):
         (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
         (C, {"prompt": "x", "stop": ""}, "stop"),
+        (C, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        (
+            C,
+            {"prompt": "x", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))},
+            "stop_token_ids",
+        ),
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_tokens"),
     ],
 )
