@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
 from server_harness import API_KEY, MAX_BODY_BYTES, MODEL_NAME, RunningServer, ServerThread
 
@@ -18,3 +20,18 @@ def server(smollm2_llm):
     port = thread.start()
     yield RunningServer(f"http://127.0.0.1:{port}", app, engine)
     thread.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    """The official client on the shared server."""
+    return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    """Raw HTTP on the shared server, with the API key."""
+    with httpx.Client(
+        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as c:
+        yield c

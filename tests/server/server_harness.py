@@ -6,6 +6,7 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
+import httpx
 from aiohttp import web
 
 API_KEY = "test-key"
@@ -47,3 +48,15 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The response is an error of `status` in OpenAI's shape, naming `param` if given, with a
+    message and no traceback; returns its error object."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from server_harness import API_KEY, MODEL_NAME
+from server_harness import API_KEY, MODEL_NAME, assert_error
 
 from runtime.protocol import MAX_STOP, MAX_STOP_TOKEN_IDS
 from runtime.server import ASYNC_LLM
@@ -22,32 +22,9 @@ HI = [{"role": "user", "content": "Hi"}]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, timeout=60, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(
-        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
-    ) as c:
-        yield c
-
-
 def post(http: httpx.Client, path: str, body: dict | bytes) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return http.post(path, content=content, headers={"Content-Type": "application/json"})
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and "Traceback" not in error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def wait_until_idle(server, timeout: float = 5.0) -> None:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_harness import API_KEY, MODEL_NAME
+from server_harness import MODEL_NAME
 
 scalars = (
     st.none()
@@ -101,14 +99,6 @@ def requests(draw) -> tuple[str, dict]:
         bounded = name in ("max_tokens", "max_completion_tokens")
         body[name] = draw(max_tokens if bounded else anything)
     return path, body
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(
-        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
-    ) as c:
-        yield c
 
 
 @settings(

@@ -10,22 +10,9 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import API_KEY, MAX_BODY_BYTES, MODEL_NAME
+from server_harness import API_KEY, MAX_BODY_BYTES, MODEL_NAME, assert_error
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, timeout=60, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(
-        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
-    ) as c:
-        yield c
 
 
 def metric(http: httpx.Client, name: str) -> float:
@@ -33,16 +20,6 @@ def metric(http: httpx.Client, name: str) -> float:
     match = re.search(rf"^compile_engine:{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and "Traceback" not in error["message"]
-    if param is not None:
-        assert error["param"] == param
-    return error
 
 
 # -- the happy paths ----------------------------------------------------------------------------
