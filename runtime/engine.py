@@ -408,6 +408,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead")
+            try:
+                prompt.encode()  # a lone UTF-16 surrogate is a str but not text
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"the prompt is not valid Unicode ({exc.reason} at index {exc.start}); "
+                    "pass text without unpaired surrogates"
+                ) from None
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return None, [int(t) for t in prompt]
 

@@ -129,6 +129,16 @@ def test_smollm2_chat_names_paris(smollm2_llm):
 
 
 @pytest.mark.slow
+def test_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(smollm2_llm):
+    engine = smollm2_llm.engine
+    with pytest.raises(ValueError, match=r"not valid Unicode .*index 3"):
+        engine.add_request("lone", "Hi \ud800 there", SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()
+    out = smollm2_llm.generate(["Hi \U0001f600"], SamplingParams(max_tokens=1))  # a real pair
+    assert len(out[0].outputs[0].token_ids) == 1
+
+
+@pytest.mark.slow
 def test_smollm2_defaults_compile_in_bf16_and_name_paris():
     """The README's main job: every default (GGUF "auto" dtype, compiled, prefix caching)."""
     from models.loader import dequantized_dtype
