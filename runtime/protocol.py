@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -81,6 +82,16 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo):
+        # As OpenAI and vLLM: usage in a last chunk means nothing without chunks.
+        if options is not None and not info.data.get("stream"):
+            raise PydanticCustomError(
+                "stream_options", "stream_options needs stream: true; leave it out otherwise"
+            )
+        return options
 
     @field_validator("stop")
     @classmethod

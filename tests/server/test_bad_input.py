@@ -86,6 +86,7 @@ def test_wrong_types_are_400_not_coerced(http, path, field, value):
             "stop_token_ids",
         ),
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_out_of_range_and_missing_fields_are_400(http, path, body, param):
