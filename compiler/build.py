@@ -17,12 +17,7 @@ import torch
 from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig, inductor_pdl
-from compiler.cuda_graphs import (
-    MAX_GRAPH_TOKENS,
-    CUDAGraphRunner,
-    default_capture_sizes,
-    short_table_widths,
-)
+from compiler.cuda_graphs import MAX_GRAPH_TOKENS, CUDAGraphRunner, default_capture_sizes
 from models.config import config_to_dict
 from models.loader import LoadedModel, export_hf_checkpoint, load_model
 from models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
@@ -116,22 +111,15 @@ def build_artifact(
         if cfg.sliding_window is not None:
             model_len = min(model_len, cfg.sliding_window)
         model_len = max_model_len or model_len
-        max_blocks = -(-model_len // block_size)
-        runner = CUDAGraphRunner(
+        runner = CUDAGraphRunner.for_compiled(
             compiled,
             kv_caches,
             capture_sizes=capture_sizes,
             max_num_seqs=max_num_seqs,
-            max_blocks_per_seq=max_blocks,
+            max_model_len=model_len,
+            block_size=block_size,
+            num_kv_heads=cfg.num_kv_heads,
             device=device,
-            short_widths=short_table_widths(
-                compiled.pass_manager.match_counts,
-                cfg.num_kv_heads,
-                capture_sizes,
-                block_size,
-                max_blocks,
-                device,
-            ),
         )
         runner.warm_up()
         warm_up_s = runner.warmup_seconds

@@ -131,6 +131,32 @@ class CUDAGraphRunner:
         self.warmup_seconds = 0.0  # host time of the warm-up calls (part of capture_seconds)
         self.pool_bytes = 0
 
+    @classmethod
+    def for_compiled(
+        cls,
+        compiled,
+        kv_caches: list[torch.Tensor],
+        *,
+        capture_sizes: list[int],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> CUDAGraphRunner:
+        """The runner of a CompiledForward whose block tables span max_model_len, with the
+        short-context graphs its passes call for: what the build's warm-up and the engine's
+        capture both make, so that they compile and capture the same graphs."""
+        max_blocks = -(-max_model_len // block_size)
+        widths = short_table_widths(
+            compiled.pass_manager.match_counts, num_kv_heads, capture_sizes, block_size,
+            max_blocks, device,
+        )  # fmt: skip
+        return cls(
+            compiled, kv_caches, capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=max_blocks, device=device, short_widths=widths,
+        )  # fmt: skip
+
     def _keys(self) -> list[tuple[int, int | None]]:
         """Every graph's key, largest size first, a size's full-table graph before its short."""
         keys = []

@@ -17,7 +17,7 @@ import torch
 from compiler.artifact import Manifest, device_description, is_artifact
 from compiler.compiled_model import CompiledForward
 from compiler.config import CompileConfig
-from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes, short_table_widths
+from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from models.config import ModelConfig, config_from_dict
 from models.loader import LoadedModel, WeightRead, open_model
 from models.tokenizer import SAVED_DIR, load_tokenizer
@@ -298,25 +298,19 @@ class LLMEngine:
             if self._graphs_possible():
                 self._wait_for_weights()  # another thread's copies would break the capture
                 mark = time.perf_counter()
-                sizes = default_capture_sizes(
-                    config.max_num_seqs, config.max_num_batched_tokens, config.max_cuda_graph_tokens
-                )
-                max_blocks = -(-self.max_model_len // config.block_size)
-                self.runner.graphs = CUDAGraphRunner(
+                self.runner.graphs = CUDAGraphRunner.for_compiled(
                     self.compiled,
                     self.runner.kv_caches,
-                    capture_sizes=sizes,
-                    max_num_seqs=config.max_num_seqs,
-                    max_blocks_per_seq=max_blocks,
-                    device=device,
-                    short_widths=short_table_widths(
-                        self.compiled.pass_manager.match_counts,
-                        self.model_config.num_kv_heads,
-                        sizes,
-                        config.block_size,
-                        max_blocks,
-                        device,
+                    capture_sizes=default_capture_sizes(
+                        config.max_num_seqs,
+                        config.max_num_batched_tokens,
+                        config.max_cuda_graph_tokens,
                     ),
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    block_size=config.block_size,
+                    num_kv_heads=self.model_config.num_kv_heads,
+                    device=device,
                 )
                 self.runner.graphs.capture()
                 self.timings["cuda_graphs_s"] = time.perf_counter() - mark

@@ -36,6 +36,25 @@ def test_widths_where_a_narrow_table_runs_unsplit(unsplit_48):
     assert short_table_widths({"mla_absorb": 3}, 2, SIZES, 16, 1000, CPU) == {}
 
 
+def test_for_compiled_sizes_the_tables_and_the_short_graphs(unsplit_48):
+    # What the build and the engine construct: blocks from max_model_len, short widths from
+    # the compiled forward's passes.
+    import types
+
+    compiled = types.SimpleNamespace(pass_manager=types.SimpleNamespace(match_counts=PAGED))
+    runner = CUDAGraphRunner.for_compiled(
+        compiled, [], capture_sizes=SIZES, max_num_seqs=4, max_model_len=1000, block_size=16,
+        num_kv_heads=2, device=CPU,
+    )  # fmt: skip
+    assert runner.block_tables.shape == (4, 63) and runner.short_widths == {1: 3, 2: 3}
+    compiled.pass_manager.match_counts = {"mla_absorb": 3}
+    runner = CUDAGraphRunner.for_compiled(
+        compiled, [], capture_sizes=SIZES, max_num_seqs=4, max_model_len=1000, block_size=16,
+        num_kv_heads=2, device=CPU,
+    )  # fmt: skip
+    assert runner.short_widths == {}
+
+
 def test_widths_none_without_the_bound():
     assert short_table_widths(PAGED, 2, SIZES, 16, 1000, CPU) == {}  # CPU config sets none
 
