@@ -28,3 +28,5 @@ timeout 200 python3 -m benchmarks throughput $L3 2>&1 | tee $OUT/throughput.log 
 echo "== throughput at $(( $(date +%s) - T0 )) s"
 timeout 150 python3 -m benchmarks breakdown $L3 --batch-sizes 1,64,256 --kernels 2>&1 | tee $OUT/breakdown.log | grep -E "^batch|device kernels|^    [A-Za-z]" | head -30
 echo "== breakdown at $(( $(date +%s) - T0 )) s"
+# A device call returns at most 8 files: the logs go back as one archive beside the JSON.
+tar czf $OUT/logs.tgz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log
