@@ -22,6 +22,7 @@ COMMANDS = {
     "paged-attention": ("benchmarks.paged_attention", "the Triton kernel vs gather+SDPA, GB/s"),
     "gemm": ("benchmarks.gemm", "decode-size GEMMs: cuBLAS vs the Triton skinny GEMM sweep"),
     "gemm-norm": ("benchmarks.gemm_norm", "the fused add_rms_norm + skinny GEMM vs unfused"),
+    "offline-floor": ("benchmarks.offline_floor", "the offline row's kernels alone, least time"),
     "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
     "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
 }

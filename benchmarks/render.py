@@ -398,6 +398,8 @@ def _details(r: dict) -> list[str]:
         lines += _gemm_norm(r)
     elif kind == "pa_decode_sweep":
         lines += _pa_decode_sweep(r)
+    elif kind == "offline_floor":
+        lines += _offline_floor(r)
     elif kind in ("moe", "mla"):
         # Their modules import torch; only a result of that kind pays for it.
         module = importlib.import_module(f"benchmarks.{kind}")
@@ -471,6 +473,30 @@ def _pa_decode_sweep(r: dict) -> list[str]:
         " cap], `table` the shipped choice; columns batch x context.",
         "",
         *_table(header, rows),
+    ]
+
+
+def _offline_floor(r: dict) -> list[str]:
+    """bench offline-floor: the offline run's parts at their measured rates, settled and burst."""
+    settled, burst, m = r["floor_s"], r["floor_burst_s"], r["measured"]
+    rows = [
+        [part, f"{settled[part]:.2f}", f"{burst[part]:.2f}",
+         _gpu_cell(m[part]["gpu"]) if part in m else ""]
+        for part in settled
+    ]  # fmt: skip
+    step = m.get("decode_step_gemm")
+    return [
+        f"The run's kernels alone, one after another, at this GPU's rates (GEMMs at "
+        f"{r['gemm_tflops_settled']:.0f} TFLOP/s settled): at most "
+        f"{r['floor_output_tok_s']:,.0f} output tok/s; the target needs {r['target_s']:.2f} s.",
+        "",
+        *_table(["part", "seconds, settled", "seconds, burst", "GPU while settled"], rows),
+        "",
+        (
+            f"A decode-only step's GEMMs (256 rows, lm_head included): {step['ms']:.2f} ms settled."
+            if step
+            else ""
+        ),
     ]
 
 
