@@ -105,9 +105,10 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 7) -> float:
 
 def triton_name(c: dict) -> str:
     ragged = f"/r{c['programs_per_sm']}" if c.get("programs_per_sm") else ""
+    tma = "/tma" if c.get("tma") else ""
     return (
         f"triton:{c['mode']}/{c['block_m']}x{c['block_n']}x{c['block_k']}/s{c['split_k']}"
-        f"/w{c['num_warps']}/p{c['num_stages']}{ragged}"
+        f"/w{c['num_warps']}/p{c['num_stages']}{ragged}{tma}"
     )
 
 
@@ -115,11 +116,13 @@ def _tiles(rows: int) -> list[dict]:
     """Launch configs (without split) worth trying at `rows` rows."""
     out: list[dict] = []
 
-    def add(mode, bm, bn, bk, warps, stages, per_sm=0):
+    def add(mode, bm, bn, bk, warps, stages, per_sm=0, tma=False):
         config = dict(mode=mode, block_m=bm, block_n=bn, block_k=bk, num_warps=warps)
         config["num_stages"] = stages
         if per_sm:  # the rows shared out evenly, per_sm programs an SM (block_n: the least)
             config["programs_per_sm"] = per_sm
+        if tma:  # the weight's tiles through a tensor descriptor (Hopper's TMA unit)
+            config["tma"] = True
         out.append(config)
 
     if rows <= 16:
@@ -135,6 +138,10 @@ def _tiles(rows: int) -> list[dict]:
             (128, 128, 8, 4),
         ):
             add("swap", 16, bn, bk, warps, stages)
+        # TMA's best tiles at one row (scripts/device/tma_gemv_probe.py at c612c8d).
+        for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 4),
+                                      (64, 128, 4, 6), (32, 128, 4, 4)):  # fmt: skip
+            add("swap", 16, bn, bk, warps, stages, tma=True)
         # A grid of whole block_n tiles leaves SMs idle or a part-empty last wave (o_proj at
         # block_n 64: 64 programs on 132 SMs); an even share of the rows for every SM does not.
         for bk, warps, stages, per_sm in ((256, 4, 4, 1), (256, 4, 4, 2), (128, 4, 4, 2),

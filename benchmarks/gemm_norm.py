@@ -39,12 +39,17 @@ def candidates(gated: bool) -> list[dict]:
     """Swapped-dot launches (a 16-row tile of x): block_n of the weight rows a program owns
     (gated: of the gate rows, as many up rows beside them), no split-K. Plain launches also
     share the rows out evenly among 1 or 2 programs an SM (ragged, block_n grown to a share):
-    whole 64-row tiles make qkv's 6,144 rows 96 programs, and 36 of the H200's 132 SMs idle."""
+    whole 64-row tiles make qkv's 6,144 rows 96 programs, and 36 of the H200's 132 SMs idle.
+    Whole tiles of 64 rows and more also with the weight's tiles through TMA (`tma`), where
+    the pipeline's weight buffers fit shared memory."""
     out = []
     for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)):
         if bn == 32 and (warps, stages) != (4, 4):
             continue
         out.append(_config(bn, bk, warps, stages))
+        if bn > 32 and bn * bk * stages * (4 if gated else 2) <= 196_608:
+            # The same whole tiles with the weight through TMA (twice the tile gated).
+            out.append(_config(bn, bk, warps, stages, tma=True))
     if not gated:
         for per_sm, bk, stages in itertools.product((1, 2), (128, 256), (3, 4)):
             out.append(_config(16, bk, 4, stages, programs_per_sm=per_sm))
@@ -66,7 +71,8 @@ def _config(bn: int, bk: int, warps: int, stages: int, **extra) -> dict:
 
 def label(c: dict) -> str:
     ragged = f"/r{c['programs_per_sm']}" if c.get("programs_per_sm") else ""
-    return f"{c['block_n']}x{c['block_k']}/w{c['num_warps']}/p{c['num_stages']}{ragged}"
+    tma = "/tma" if c.get("tma") else ""
+    return f"{c['block_n']}x{c['block_k']}/w{c['num_warps']}/p{c['num_stages']}{ragged}{tma}"
 
 
 def run_cell(name: str, rows: int, weights: list[torch.Tensor]) -> dict:

@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels_generated.configs import CONFIG_DIR, ConfigEntry, ConfigTable, bucket_tokens
 from kernels_generated.counters import arrival_counters
@@ -129,6 +130,7 @@ def _skinny_gemm_kernel(
     stride_rm,
     stride_sm,
     eps,
+    w_desc,  # TMA: a tensor descriptor of w, block [BLOCK_N, BLOCK_K] (else w again, unused)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -142,6 +144,7 @@ def _skinny_gemm_kernel(
     NORM: tl.constexpr = 0,  # x := rms_norm(x + residual) * g on the fly: 1 two passes, 2 one
     GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
     DEFER: tl.constexpr = False,  # NORM 2: squares summed per element, reduced after the loop
+    TMA: tl.constexpr = False,  # the weight's tiles through w_desc (the Hopper TMA unit)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -216,12 +219,18 @@ def _skinny_gemm_kernel(
         u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
         acc_up = tl.zeros_like(acc)
     for k in range(0, k_tiles * BLOCK_K, BLOCK_K):
-        if EVEN_K:
+        if TMA:
+            # Rows past N and columns past K arrive as zeros (the descriptor's bounds).
+            w = w_desc.load([pid_n * BLOCK_N, k_start + k])
+        elif EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         else:
             in_k = (k_start + k + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            in_k = (k_start + k + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
         if NORM > 0:
             # float32 arithmetic rounded where the reference rounds: a half-precision op on
@@ -262,7 +271,10 @@ def _skinny_gemm_kernel(
         else:
             acc += tl.sum(w[:, None, :].to(tl.float32) * x[None, :, :].to(tl.float32), axis=2)
         if GATED:
-            if EVEN_K:
+            if TMA:
+                # Gate rows past N read the first up rows: their columns are not stored.
+                u = w_desc.load([N + pid_n * BLOCK_N, k_start + k])
+            elif EVEN_K:
                 u = tl.load(u_ptrs, mask=mask_n[:, None], other=0.0)
             else:
                 in_k = (k_start + k + offs_k) < K
@@ -408,7 +420,9 @@ def prefetch_tiles(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> int:
 class LaunchConfig:
     """One launch's choices, what a tuned table entry of kernel "triton" holds.
     programs_per_sm > 0: the rows are shared out evenly among that many programs per SM
-    (RAGGED), block_n rounded up to hold a share, instead of a program per block_n rows."""
+    (RAGGED), block_n rounded up to hold a share, instead of a program per block_n rows.
+    tma: the weight's [block_n, block_k] tiles come through a tensor descriptor (Hopper's TMA
+    unit) instead of pointer loads; whole tiles only (no programs_per_sm)."""
 
     mode: str = "swap"
     block_m: int = 16
@@ -418,6 +432,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 0
+    tma: bool = False
 
 
 def skinny_gemm(x: Tensor, w: Tensor, **config) -> Tensor:
@@ -467,6 +482,18 @@ def add_rms_norm_gemm(
     return _launch(x, w, (residual, norm_weight, eps), launch, gated)
 
 
+def _weight_descriptor(w: Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """w's TMA descriptor, tiles [block_n, block_k]: its start and row stride 16-byte aligned
+    (a tuned table names TMA only for the model shapes it swept, which are)."""
+    row_bytes = w.stride(0) * w.element_size()
+    if w.data_ptr() % 16 or row_bytes % 16:
+        raise SkinnyGemmError(
+            f"a TMA launch needs a 16-byte aligned weight and row stride (row {row_bytes} "
+            f"bytes, address {w.data_ptr():#x}); run this weight with tma off"
+        )
+    return TensorDescriptor.from_tensor(w, [block_n, block_k])
+
+
 def _launch(
     x: Tensor,
     w: Tensor,
@@ -495,6 +522,8 @@ def _launch(
     split_k = max(1, min(split_k, triton.cdiv(k_size, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k_size, split_k), block_k) * block_k
     split_k = triton.cdiv(k_size, k_per_split)  # no empty trailing slices
+    if config.tma and programs_per_sm > 0:
+        raise SkinnyGemmError("a TMA launch takes whole tiles: programs_per_sm must be 0")
     if programs_per_sm > 0:
         row_programs = min(programs_per_sm * sm_count(x.device), n_size)
         block_n = max(block_n, triton.next_power_of_2(triton.cdiv(n_size, row_programs)))
@@ -511,6 +540,7 @@ def _launch(
     else:
         workspace = out
     sum_out = summed if summed is not None else x
+    w_desc = _weight_descriptor(w, block_n, block_k) if config.tma else w
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _skinny_gemm_kernel[grid](
             x,
@@ -532,6 +562,7 @@ def _launch(
             residual.stride(0),
             sum_out.stride(0),
             eps,
+            w_desc,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -543,6 +574,7 @@ def _launch(
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
             DEFER=norm is not None and split_k == 1 and ab_switch(DEFER_SUM_ENV, default=True),
+            TMA=config.tma,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl_launch(pdl > 0),

@@ -114,6 +114,46 @@ def test_interpreted_ragged_rows_match_reference(rows, n_size, k_size, per_sm, s
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n_size,k_size", [(1, 40, 80), (3, 48, 72)])
+@pytest.mark.parametrize("name", ["swap", "swap_split3", "dot_split2", "fma"])
+def test_interpreted_tma_weight_loads_match_pointer_loads(name, rows, n_size, k_size, dtype):
+    # The weight's tiles through a tensor descriptor: a partial last N tile and a K tail
+    # arrive as zeros where the pointer loads' masks gave zeros, so the output is the same,
+    # bit for bit.
+    mode, bm, bn, bk, split = CONFIGS[name]
+    x, w = _inputs(rows, n_size, k_size, dtype)
+    config = dict(mode=mode, block_m=bm, block_n=bn, block_k=bk, split_k=split)
+    assert torch.equal(k.skinny_gemm(x, w, tma=True, **config), k.skinny_gemm(x, w, **config))
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows,n_size,k_size", [(1, 40, 80), (3, 48, 72)])
+def test_interpreted_tma_fused_norm_matches_pointer_loads(rows, n_size, k_size, gated):
+    # Gated, a program's up rows come through the same descriptor, N rows below its gate rows.
+    x, w = _inputs(rows, 2 * n_size if gated else n_size, k_size, torch.float16)
+    residual, norm_weight = _norm_inputs(rows, k_size, torch.float16)
+    config = dict(mode="swap", block_m=16, block_n=16, block_k=16)
+    args = (x, residual, norm_weight, 1e-5, w)
+    got = k.add_rms_norm_gemm(*args, gated=gated, tma=True, **config)
+    want = k.add_rms_norm_gemm(*args, gated=gated, **config)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@interpreted
+def test_interpreted_tma_refuses_what_it_cannot_load():
+    x, w = _inputs(1, 40, 80, torch.float16)
+    with pytest.raises(k.SkinnyGemmError, match="whole tiles"):
+        k.skinny_gemm(x, w, block_n=16, block_k=16, programs_per_sm=1, tma=True)
+    # Rows of 81 half-precision elements: a 162-byte stride, which TMA cannot step.
+    wide = torch.cat([w, w[:, :1]], dim=1)[:, 1:]
+    assert wide.stride() == (81, 1)
+    with pytest.raises(k.SkinnyGemmError, match="16-byte aligned"):
+        k.skinny_gemm(x, wide, block_n=16, block_k=16, tma=True)
+
+
+@interpreted
 def test_interpreted_split_counters_reset_between_calls():
     # The last program of a tile zeroes its counter: a second call must sum afresh.
     x, w = _inputs(2, 32, 96, torch.float32)
@@ -443,6 +483,40 @@ def test_gpu_fused_norm_matches_reference_in_tuned_cells():
         torch.cuda.synchronize()
         assert torch.equal(replayed, got), (key, kind)
         assert torch.equal(replayed_summed, summed), (key, kind)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "n_size,k_size,split,gated",
+    [(6144, 4096, 1, False), (4096, 4096, 2, False), (4096, 14336, 4, False),
+     (28672, 4096, 1, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_tma_matches_pointer_loads(rows, n_size, k_size, split, gated):
+    # On the H200's TMA unit, at the Llama-3-8B layer shapes (qkv with its norm, o_proj and
+    # down split, gate_up gated): bit-equal to the pointer loads, eager and in a CUDA graph.
+    x, w = _inputs(rows, 2 * n_size if gated else n_size, k_size, torch.bfloat16, "cuda")
+    residual, norm_weight = _norm_inputs(rows, k_size, torch.bfloat16, "cuda")
+    config = dict(mode="swap", block_m=16, block_n=64, block_k=128, split_k=split)
+
+    def run(tma: bool):
+        if split > 1:
+            return (k.skinny_gemm(x, w, tma=tma, **config),)
+        return k.add_rms_norm_gemm(
+            x, residual, norm_weight, 1e-5, w, gated=gated, tma=tma, **config
+        )
+
+    want = run(False)
+    got = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run(True)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, want, strict=True))
 
 
 @pytest.mark.gpu
