@@ -23,6 +23,15 @@ split-K reduction. This kernel is one launch whatever the split:
   0c6c8eb, rows 1-16) it did not pay: qkv 15.2-15.4 us against 14.8-15.7 for the best
   whole-tile config (ahead by 4% at one row only), o_proj 11.8-11.9 against 11.6-11.7, down
   and gate_up behind; no table entry uses it, `bench gemm` still sweeps it.
+- TMA (`tma` in a config): the weight's [BLOCK_N, BLOCK_K] tiles come through a tensor
+  descriptor, so Hopper's TMA unit copies each tile into shared memory (rows past N and columns
+  past K arrive as zeros) where the pointer loads issue a load per thread. Same tiles, same
+  arithmetic, bit-equal output. At one row on the H200 (`bench gemm` / `gemm-norm` at
+  feefb2a, PDL chained as in a decode step): qkv with its norm 14.69 against 15.08 us, o_proj
+  10.74 against 11.19, down (split 4) 29.32 against 29.51, gate_up with norm and silu 55.28
+  against 55.54; in the engine (same tiles, TMA on or off, three alternating rounds) batch 1
+  read 251.2-251.3 tok/s against 250.0-250.2 (`latency-tma-*-b9f6172.json`). The table names it
+  for those one-row cells only.
 - SPLIT_K > 1 (a runtime argument: no recompile per split): each program writes its float32
   partial tile to a workspace and counts itself in on a per-tile counter; the last of the
   tile's programs to arrive sums the partials in split order (deterministic, whoever arrives
