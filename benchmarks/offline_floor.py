@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from kernels_generated.timing import captured, warm_up
 
 TARGET_OUTPUT_TOK_S = 12_500.0
 # Llama-3-8B.
@@ -148,22 +149,10 @@ def _sustained(fn, seconds: float) -> dict:
 
 
 def _graph(fn):
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # cuBLAS handles and Triton kernels load outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-
-    def replay() -> None:
-        graph.replay()
-
-    replay.captured = fn  # its closure holds the tensors the graph reads and writes
-    return replay
+    """fn captured in a CUDA graph, its lazy initialisation (cuBLAS handles, Triton kernel
+    loads) run outside the capture."""
+    warm_up(fn, 1)
+    return captured(fn)
 
 
 LINEAR_SHAPES = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))

@@ -21,6 +21,36 @@ def graph_us(fn: Callable[[], object], rep_ms: int = 20) -> float:
     return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
 
 
+def warm_up(fn: Callable[[], object], calls: int = 3) -> None:
+    """`calls` calls of `fn` on a side stream, so lazy initialisation (kernel loads, cuBLAS
+    handles) stays out of any capture that follows."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """One call of `fn` captured in a CUDA graph (after `warm_up`, which the caller runs); the
+    replay it returns keeps `fn`, and so the tensors its closure holds and the graph reads and
+    writes, alive."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.captured = fn
+    return replay
+
+
 def event_seconds(
     fn: Callable[[], object],
     *,
@@ -35,18 +65,8 @@ def event_seconds(
     eager timing of a small kernel measures Python launch overhead, not the kernel."""
     import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    call = fn
-    if cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        call = graph.replay
+    warm_up(fn, warmup)
+    call = captured(fn) if cuda_graph else fn
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
