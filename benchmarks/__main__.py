@@ -1,5 +1,5 @@
 import sys
 
-from benchmarks.cli import main
+from compile_engine.benchmarks.cli import main
 
 sys.exit(main())

@@ -17,9 +17,14 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.common import add_engine_flags, engine_kwargs, engine_settings, random_prompts
-from benchmarks.results import write_result
-from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from compile_engine.benchmarks.common import (
+    add_engine_flags,
+    engine_kwargs,
+    engine_settings,
+    random_prompts,
+)
+from compile_engine.benchmarks.results import write_result
+from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 
 def _timed(table: dict, name: str, fn):
@@ -217,7 +222,7 @@ def breakdown(
 ) -> dict:
     import random
 
-    from runtime import SamplingParams
+    from compile_engine.runtime.sampling_params import SamplingParams
 
     engine = llm.engine
     vocab = engine.model_config.vocab_size
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels", action="store_true", help="also profile device time by kernel (CUDA)"
     )
     args = p.parse_args(argv)
-    from runtime import LLM
+    from compile_engine.runtime.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
     results = [

@@ -1,4 +1,4 @@
-"""`python -m benchmarks <command> ...`, and later `compile-engine bench <command> ...`.
+"""`compile-engine bench <command> ...`, and later `compile-engine bench <command> ...`.
 
 The runtime CLI mounts this by passing the words after `bench` to `main(argv)`. Commands are
 imported only when chosen, so `render` and `make-model` never load the engine.
@@ -10,21 +10,63 @@ import importlib
 import sys
 
 COMMANDS = {
-    "latency": ("benchmarks.latency", "decode tok/s per batch size vs the bandwidth roofline"),
-    "throughput": ("benchmarks.throughput", "offline N requests through LLM.generate"),
-    "serve": ("benchmarks.serve", "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server"),
-    "kv-waste": ("benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
-    "fusions": ("benchmarks.fusions", "norm/rotary/silu kernels vs Inductor's fusion, per T"),
-    "breakdown": ("benchmarks.breakdown", "where one decode step's time goes, host vs device"),
-    "startup": ("benchmarks.startup", "cold build vs a fresh process ready from the artifact"),
-    "moe": ("benchmarks.moe", "fused MoE kernel vs a per-expert loop; MoE model decode"),
-    "mla": ("benchmarks.mla", "MLA absorbed kernel vs naive reference; KV bytes; DeepSeek decode"),
-    "paged-attention": ("benchmarks.paged_attention", "the Triton kernel vs gather+SDPA, GB/s"),
-    "gemm": ("benchmarks.gemm", "decode-size GEMMs: cuBLAS vs the Triton skinny GEMM sweep"),
-    "gemm-norm": ("benchmarks.gemm_norm", "the fused add_rms_norm + skinny GEMM vs unfused"),
-    "offline-floor": ("benchmarks.offline_floor", "the offline row's kernels alone, least time"),
-    "make-model": ("benchmarks.make_model", "write a random-weight safetensors model"),
-    "render": ("benchmarks.render", "docs/performance.md from benchmarks/results/*.json"),
+    "latency": (
+        "compile_engine.benchmarks.latency",
+        "decode tok/s per batch size vs the bandwidth roofline",
+    ),
+    "throughput": (
+        "compile_engine.benchmarks.throughput",
+        "offline N requests through LLM.generate",
+    ),
+    "serve": (
+        "compile_engine.benchmarks.serve",
+        "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server",
+    ),
+    "kv-waste": ("compile_engine.benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
+    "fusions": (
+        "compile_engine.benchmarks.fusions",
+        "norm/rotary/silu kernels vs Inductor's fusion, per T",
+    ),
+    "breakdown": (
+        "compile_engine.benchmarks.breakdown",
+        "where one decode step's time goes, host vs device",
+    ),
+    "startup": (
+        "compile_engine.benchmarks.startup",
+        "cold build vs a fresh process ready from the artifact",
+    ),
+    "moe": (
+        "compile_engine.benchmarks.moe",
+        "fused MoE kernel vs a per-expert loop; MoE model decode",
+    ),
+    "mla": (
+        "compile_engine.benchmarks.mla",
+        "MLA absorbed kernel vs naive reference; KV bytes; DeepSeek decode",
+    ),
+    "paged-attention": (
+        "compile_engine.benchmarks.paged_attention",
+        "the Triton kernel vs gather+SDPA, GB/s",
+    ),
+    "gemm": (
+        "compile_engine.benchmarks.gemm",
+        "decode-size GEMMs: cuBLAS vs the Triton skinny GEMM sweep",
+    ),
+    "gemm-norm": (
+        "compile_engine.benchmarks.gemm_norm",
+        "the fused add_rms_norm + skinny GEMM vs unfused",
+    ),
+    "offline-floor": (
+        "compile_engine.benchmarks.offline_floor",
+        "the offline row's kernels alone, least time",
+    ),
+    "make-model": (
+        "compile_engine.benchmarks.make_model",
+        "write a random-weight safetensors model",
+    ),
+    "render": (
+        "compile_engine.benchmarks.render",
+        "docs/performance.md from benchmarks/results/*.json",
+    ),
 }
 
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from benchmarks.results import DEFAULT_DIRECTORY
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY
 
 
 def add_engine_flags(
@@ -40,7 +40,7 @@ def add_engine_flags(
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The same mapping as `compile-engine`'s engine flags (the flag names are shared)."""
-    from runtime.cli import engine_kwargs as cli_engine_kwargs
+    from compile_engine.runtime.engine_args import engine_kwargs as cli_engine_kwargs
 
     return cli_engine_kwargs(args)
 

@@ -1,6 +1,6 @@
 """The everyday fusions on CUDA: our kernels against Inductor's fusion of the reference.
 
-    python -m benchmarks fusions [--tokens 1 64 256 2048] [--out DIR]
+    compile-engine bench fusions [--tokens 1 64 256 2048] [--out DIR]
 
 Issue 5's rule: a kernel pass is on by default only if it beats what Inductor makes of the
 op's plain-PyTorch reference, which is what a build gets with the pass off (lower_to_reference
@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.results import DEFAULT_DIRECTORY, write_result
-from models.ops import add_rms_norm_ref, rotary_ref, silu_and_mul_ref
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
+from compile_engine.models.ops import add_rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 EPS = 1e-5
@@ -52,9 +52,9 @@ def _mark_tokens_dynamic(args: tuple, token_args: tuple[int, ...]) -> None:
 
 def _ops(num_tokens: int, dev: str) -> dict[str, dict]:
     """Per op: inputs at T tokens, bytes it must move, and its variants (name -> callable)."""
-    from kernels_generated import add_rms_norm as norm_k
-    from kernels_generated import rotary as rotary_k
-    from kernels_generated import silu_and_mul as silu_k
+    from compile_engine.kernels_generated import add_rms_norm as norm_k
+    from compile_engine.kernels_generated import rotary as rotary_k
+    from compile_engine.kernels_generated import silu_and_mul as silu_k
 
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter: no bf16
     x = torch.randn(num_tokens, HIDDEN, device=dev, dtype=bf16)
@@ -97,7 +97,7 @@ def _ops(num_tokens: int, dev: str) -> dict[str, dict]:
 @functools.cache
 def _helion_op() -> Callable | None:
     try:
-        import kernels_generated.silu_and_mul_helion  # noqa: F401  (registers the op)
+        import compile_engine.kernels_generated.silu_and_mul_helion  # noqa: F401  (registers the op)
     except ImportError as err:  # helion missing or not importable with this torch
         print(f"helion silu_and_mul skipped: {err}")
         return None
@@ -115,7 +115,7 @@ def _check(name: str, got, want) -> None:
 def run(tokens: list[int], device: str = "cuda") -> list[dict]:
     """Time every op's variants at each token count; `device` other than cuda is for smoke
     tests of this script under the Triton interpreter (float32, tiny T)."""
-    from kernels_generated.timing import graph_us
+    from compile_engine.kernels_generated.timing import graph_us
 
     inductor = {}
     rows = []
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench fusions needs a CUDA device")
-    import kernels_generated.add_rms_norm  # noqa: F401  (register the ce_kernels ops)
-    import kernels_generated.rotary  # noqa: F401
-    import kernels_generated.silu_and_mul  # noqa: F401
+    import compile_engine.kernels_generated.add_rms_norm  # noqa: F401  (register the ce_kernels ops)
+    import compile_engine.kernels_generated.rotary  # noqa: F401
+    import compile_engine.kernels_generated.silu_and_mul  # noqa: F401
 
     rows = run(args.tokens)
     decided = verdicts(rows)

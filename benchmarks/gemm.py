@@ -1,7 +1,7 @@
 """Decode-time GEMMs on CUDA: cuBLAS, cuBLASLt, a transposed weight, and the Triton skinny
 GEMM (kernels_generated/skinny_gemm.py) over a sweep of its configs.
 
-    python -m benchmarks gemm [--rows 1 2 4 ...] [--budget-s 230] [--write-configs PATH]
+    compile-engine bench gemm [--rows 1 2 4 ...] [--budget-s 230] [--write-configs PATH]
 
 y[M, N] = x[M, K] @ W[N, K]^T for the Llama-3-8B linear layers (qkv, o_proj, gate_up, down,
 lm_head) in bf16 at M = 1..256 rows. Every variant is replayed from a CUDA graph, as the engine
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.results import DEFAULT_DIRECTORY, write_result
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 
 SHAPES = {  # name: (N, K), Llama-3-8B
     "qkv": (6144, 4096),
@@ -198,7 +198,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_cell(name: str, rows: int, weights, weights_t, deadline: float) -> dict:
-    from kernels_generated.skinny_gemm import skinny_gemm
+    from compile_engine.kernels_generated.skinny_gemm import skinny_gemm
 
     n_size, k_size = SHAPES[name]
     x = torch.randn(rows, k_size, device="cuda", dtype=torch.bfloat16)
@@ -266,7 +266,7 @@ def precompile(cells: list[tuple[str, int]], deadline: float) -> dict:
     """Compile every tile config of the sweep once, on a small input with the same
     specialisation (N, K and strides multiples of 16, K split evenly), so that compile time
     does not eat the first cells' share of the timing budget."""
-    from kernels_generated.skinny_gemm import skinny_gemm
+    from compile_engine.kernels_generated.skinny_gemm import skinny_gemm
 
     tiles = {}
     for name, m in cells:
@@ -347,7 +347,7 @@ def print_table(cells: list[dict]) -> None:
 def table_entries(cells: list[dict], info: dict, min_speedup: float) -> list:
     """Per cell the fastest of the best Triton config and cuBLASLt where it beats cuBLAS by at
     least `min_speedup`, else cuBLAS; with the times behind the choice."""
-    from kernels_generated.configs import ConfigEntry
+    from compile_engine.kernels_generated.configs import ConfigEntry
 
     entries = []
     for c in cells:
@@ -378,7 +378,7 @@ def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) 
     gemm-norm`'s). Where an engine A/B chose the kernel (`chosen_by`: the sweep's rule would
     pick another), the entry keeps that kernel and its reason and takes only the sweep's best
     config for it (Triton)."""
-    from kernels_generated.configs import ConfigTable, TargetConfigs
+    from compile_engine.kernels_generated.configs import ConfigTable, TargetConfigs
 
     table = ConfigTable.load(path)
     section = table.targets.get("h100") or TargetConfigs(True, [])
@@ -404,7 +404,7 @@ def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) 
         True,
         list(merged.values()),
         note=section.note
-        or f"python -m benchmarks gemm --write-configs: Triton or cuBLASLt where >= "
+        or f"compile-engine bench gemm --write-configs: Triton or cuBLASLt where >= "
         f"x{min_speedup} cuBLAS, else cuBLAS",
     )
     print(f"wrote {table.save(path)}")
@@ -427,7 +427,7 @@ def provenance_of(record: dict) -> dict:
 
 
 def payload_commit() -> str:
-    from benchmarks.results import git_state
+    from compile_engine.benchmarks.results import git_state
 
     return git_state()[0][:12]
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} M={m}: {len(configs)} configs")
         return 0
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gemm needs a CUDA device")
+        raise SystemExit("compile_engine.benchmarks.gemm needs a CUDA device")
     torch.manual_seed(0)
     cells, compiled = sweep(args.shapes, args.rows, args.budget_s)
     print_table(cells)
@@ -486,7 +486,7 @@ def save_sweep(name: str, payload: dict, args: argparse.Namespace, write: Callab
     min_speedup, provenance)` into the tuned table."""
     print(f"wrote {write_result(name, payload, directory=args.out)}")
     if args.write_configs:
-        from kernels_generated.configs import tuning_provenance
+        from compile_engine.kernels_generated.configs import tuning_provenance
 
         info = {**tuning_provenance(), "sweep": f"{name}@{payload_commit()}"}
         write(payload["cells"], args.write_configs, args.min_speedup, info)

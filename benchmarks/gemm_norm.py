@@ -1,7 +1,7 @@
 """The fused add_rms_norm + skinny GEMM (kernels_generated/skinny_gemm.add_rms_norm_gemm) on
 CUDA against the unfused chain it replaces, over a sweep of its launch configs.
 
-    python -m benchmarks gemm-norm [--rows 1 2 4 8 16] [--write-configs PATH]
+    compile-engine bench gemm-norm [--rows 1 2 4 8 16] [--write-configs PATH]
 
 For the Llama-3-8B weights a norm feeds, qkv [6144, 4096] and gate_up [28672, 4096] (gated:
 silu_and_mul fused too, as the add_rms_norm_into_gemm pass fuses it), at 1..16 rows: the
@@ -27,8 +27,15 @@ import time
 
 import torch
 
-from benchmarks.gemm import SHAPES, TIMING, _close, _weights, graph_time_us, save_sweep
-from benchmarks.results import DEFAULT_DIRECTORY
+from compile_engine.benchmarks.gemm import (
+    SHAPES,
+    TIMING,
+    _close,
+    _weights,
+    graph_time_us,
+    save_sweep,
+)
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY
 
 FUSED = {"qkv": False, "gate_up": True}  # shape: gated
 ROWS = (1, 2, 4, 8, 16)
@@ -76,9 +83,9 @@ def label(c: dict) -> str:
 
 
 def run_cell(name: str, rows: int, weights: list[torch.Tensor]) -> dict:
-    from kernels_generated import skinny_gemm as sg
-    from kernels_generated.add_rms_norm import rms_norm_triton
-    from kernels_generated.silu_and_mul import silu_and_mul_triton
+    from compile_engine.kernels_generated import skinny_gemm as sg
+    from compile_engine.kernels_generated.add_rms_norm import rms_norm_triton
+    from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
 
     gated = FUSED[name]
     n_size, k_size = SHAPES[name]
@@ -145,7 +152,7 @@ def sweep(shapes: list[str], rows: list[int]) -> list[dict]:
 
 def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) -> None:
     """Each swept cell's `fused` record in the h100 entry of the same (N, K, M)."""
-    from kernels_generated.configs import ConfigTable
+    from compile_engine.kernels_generated.configs import ConfigTable
 
     table = ConfigTable.load(path)
     entries = {tuple(e.key[k] for k in ("N", "K", "M")): e for e in table.targets["h100"].entries}
@@ -180,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-configs", metavar="PATH", help="add the fused records to this table")
     p.add_argument("--min-speedup", type=float, default=1.03)
     args = p.parse_args(argv)
-    from kernels_generated.skinny_gemm import NORM_MAX_ROWS
+    from compile_engine.kernels_generated.skinny_gemm import NORM_MAX_ROWS
 
     if max(args.rows) > NORM_MAX_ROWS:
         raise SystemExit(f"--rows: the fused norm takes at most {NORM_MAX_ROWS} rows")
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gemm_norm needs a CUDA device")
+        raise SystemExit("compile_engine.benchmarks.gemm_norm needs a CUDA device")
     torch.manual_seed(0)
     cells = sweep(args.shapes, args.rows)
     payload = {

@@ -24,8 +24,8 @@ import random
 import sys
 import time
 
-from benchmarks.common import engine_settings, model_summary, random_prompts
-from benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from compile_engine.benchmarks.common import engine_settings, model_summary, random_prompts
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
 
 
 class WasteProbe:
@@ -109,7 +109,7 @@ def bench_kv_waste(
     seed: int = 0,
     check_integrity: bool = True,
 ) -> dict:
-    from runtime import SamplingParams
+    from compile_engine.runtime.sampling_params import SamplingParams
 
     engine = llm.engine
     if engine.config.enable_prefix_caching:
@@ -168,7 +168,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime import LLM
+    from compile_engine.runtime.llm import LLM
 
     args = build_parser().parse_args(argv)
     llm = LLM(

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from benchmarks.common import (
+from compile_engine.benchmarks.common import (
     add_engine_flags,
     engine_kwargs,
     engine_settings,
@@ -45,12 +45,12 @@ from benchmarks.common import (
     synchronize,
     timed,
 )
-from benchmarks.results import write_result
-from benchmarks.telemetry import GpuSampler
-from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from compile_engine.benchmarks.results import write_result
+from compile_engine.benchmarks.telemetry import GpuSampler
+from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
-    from models.loader import ModelSource
+    from compile_engine.models.loader import ModelSource
 
 H200_COPY_RATE = 4.26e12  # B/s, copy read+write, measured on the H200 on 2026-11-29
 
@@ -94,7 +94,7 @@ def kv_bytes_per_token(llm) -> int:
 def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dict:
     """Drive the engine step by step; split prefill from decode at the first step after which
     every request holds a token."""
-    from runtime.engine import RequestOutput
+    from compile_engine.runtime.engine import RequestOutput
 
     engine = llm.engine
     preempted_before = engine.stats().num_preemptions_total
@@ -174,7 +174,7 @@ def bench_latency(
     seed: int = 0,
 ) -> dict:
     """Run every batch size; return the payload for write_result."""
-    from runtime import SamplingParams
+    from compile_engine.runtime.sampling_params import SamplingParams
 
     if output_len < 2:
         raise ValueError("--output-len must be >= 2: decode starts after the first token")
@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime import LLM
+    from compile_engine.runtime.llm import LLM
 
     args = build_parser().parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]

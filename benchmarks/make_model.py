@@ -7,7 +7,7 @@ with `randn * 0.02` in the target dtype on the chosen device, one ~5 GB shard at
 neither an fp32 8B model nor a full bf16 copy is ever held. Norm weights are ones, as in a real
 init, so activations keep a sane scale through 32 layers.
 
-    python -m benchmarks.make_model llama3-8b --out /tmp/llama3-8b --device cuda
+    compile-engine bench make-model llama3-8b --out /tmp/llama3-8b --device cuda
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`bench mla`: the absorbed MLA kernel against the naive up-projected reference, the KV bytes
 a token costs in each form, and decode tok/s of a DeepSeek-V2-Lite-shaped model.
 
-    python -m benchmarks.mla [--out DIR] [--sweep] [--model] [--layers N]
+    compile-engine bench mla [--out DIR] [--sweep] [--model] [--layers N]
 
 Attention at DeepSeek-V2-Lite's shapes (16 heads, kv_lora_rank 512, rope 64, nope 128, v 128,
 bf16, KV block 16), one new token per sequence, every sequence at the same context:
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
-from kernels_generated.timing import event_seconds
-from models import mla
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.models import mla
 
 PEAK_GB_S = 4260.0  # H200 HBM3e copy rate, BRIEF.md
 V2_LITE = {
@@ -125,7 +125,7 @@ def _latency(fn, *, cuda_graph: bool, iters: int, inner: int) -> float:
 
 
 def _inputs(batch_size: int, context: int):
-    from kernels_generated import mla_attention as mk
+    from compile_engine.kernels_generated import mla_attention as mk
 
     s = V2_LITE
     qk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
@@ -155,7 +155,7 @@ def _inputs(batch_size: int, context: int):
 
 
 def bench_kernel(batches: list[int], contexts: list[int], iters: int) -> list[dict]:
-    from kernels_generated import mla_attention as mk
+    from compile_engine.kernels_generated import mla_attention as mk
 
     rows = []
     for batch_size in batches:
@@ -207,7 +207,7 @@ def sweep_tiles(batches: list[int], contexts: list[int], iters: int) -> dict:
     """Kernel time per tile config and shape; the best config per shape and overall."""
     from triton.runtime.errors import OutOfResources
 
-    from kernels_generated import mla_attention as mk
+    from compile_engine.kernels_generated import mla_attention as mk
 
     results = []
     for batch_size in batches:
@@ -249,8 +249,8 @@ def _random_loaded_model(layers: int | None, max_model_len: int):
     norms 1), and the directory holding its config.json (no weights, no tokenizer)."""
     import transformers
 
-    from models.loader import LoadedModel, ModelSource, build_model
-    from models.registry import model_class
+    from compile_engine.models.loader import LoadedModel, ModelSource, build_model
+    from compile_engine.models.registry import model_class
 
     values = dict(V2_LITE_CONFIG)
     if layers is not None:
@@ -273,10 +273,10 @@ def _random_loaded_model(layers: int | None, max_model_len: int):
 
 
 def bench_model(layers: int | None, batches: list[int], input_len: int, output_len: int) -> dict:
-    from benchmarks.latency import run_once
-    from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
-    from runtime import SamplingParams
-    from runtime.engine import EngineConfig, LLMEngine
+    from compile_engine.benchmarks.latency import run_once
+    from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
+    from compile_engine.runtime.sampling_params import SamplingParams
+    from compile_engine.runtime.engine import EngineConfig, LLMEngine
 
     max_model_len = 4096
     max_seqs = max(batches)

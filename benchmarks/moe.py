@@ -15,8 +15,8 @@ Two parts, both on CUDA:
   really reads: the dense weights plus the experts the batch's tokens can touch (expected
   distinct experts per layer, uniform routing), not all 128 experts.
 
-    python -m benchmarks moe                       # both parts
-    python -m benchmarks moe --part kernel --experts 128,64
+    compile-engine bench moe                       # both parts
+    compile-engine bench moe --part kernel --experts 128,64
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.results import DEFAULT_DIRECTORY, write_result
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],
@@ -68,7 +68,7 @@ def expected_busy_experts(num_experts: int, top_k: int, num_tokens: int) -> floa
 
 
 def bench_kernel(shapes: list[tuple[int, int, int, int]], token_counts: list[int]) -> list[dict]:
-    from kernels_generated import moe_grouped_gemm as mk
+    from compile_engine.kernels_generated import moe_grouped_gemm as mk
 
     rows = []
     for num_experts, hidden, inter, top_k in shapes:
@@ -120,8 +120,8 @@ def build_random_model(hf_values: dict, directory: Path):
     ones), nothing written but config.json (which the engine reads for the path)."""
     import transformers
 
-    from models.loader import LoadedModel, ModelSource, build_model
-    from models.registry import model_class
+    from compile_engine.models.loader import LoadedModel, ModelSource, build_model
+    from compile_engine.models.registry import model_class
 
     hf = transformers.Qwen3MoeConfig(**hf_values)
     hf.save_pretrained(str(directory))
@@ -140,7 +140,7 @@ def build_random_model(hf_values: dict, directory: Path):
 def active_bytes_per_step(loaded, batch: int) -> int:
     """Dense weights (the embedding table aside: a step gathers B rows) plus the experts a
     batch of `batch` tokens is expected to touch in every sparse layer."""
-    from models.moe import StackedExperts
+    from compile_engine.models.moe import StackedExperts
 
     total = 0
     expert_params = set()
@@ -161,9 +161,9 @@ def active_bytes_per_step(loaded, batch: int) -> int:
 def bench_decode(
     num_layers: int, batch_sizes: list[int], input_len: int, output_len: int, passes: str | None
 ) -> dict:
-    from benchmarks.common import engine_settings
-    from benchmarks.latency import bench_latency
-    from runtime.engine import EngineConfig, LLMEngine
+    from compile_engine.benchmarks.common import engine_settings
+    from compile_engine.benchmarks.latency import bench_latency
+    from compile_engine.runtime.engine import EngineConfig, LLMEngine
 
     values = {**QWEN3_30B_A3B, "num_hidden_layers": num_layers}
     directory = Path(tempfile.mkdtemp(prefix="ce-qwen3-moe-"))

@@ -1,6 +1,6 @@
 """The offline row's floor: the least time its kernels take on this GPU, one after another.
 
-    python -m benchmarks offline-floor [--seconds 6] [--out DIR]
+    compile-engine bench offline-floor [--seconds 6] [--out DIR]
 
 Issue 7's offline row (1000 requests of 512 prompt tokens and 256 output tokens, Llama-3-8B
 shape, bf16, at most 256 sequences at once) asks for 12,500 output tok/s: the whole run in
@@ -33,8 +33,8 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
-from kernels_generated.timing import captured, warm_up
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from compile_engine.kernels_generated.timing import captured, warm_up
 
 TARGET_OUTPUT_TOK_S = 12_500.0
 # Llama-3-8B.
@@ -121,7 +121,7 @@ def _sustained(fn, seconds: float) -> dict:
     second, with the GPU's clocks and power beside it."""
     import torch
 
-    from benchmarks.telemetry import GpuSampler
+    from compile_engine.benchmarks.telemetry import GpuSampler
 
     fn()
     torch.cuda.synchronize()
@@ -202,7 +202,7 @@ def _measure_attention(w: Workload, seconds: float) -> dict[str, dict]:
     """Decode attention over the run's contexts and the prompts' tiled attention, 32 layers."""
     import torch
 
-    from kernels_generated import paged_attention as pa
+    from compile_engine.kernels_generated import paged_attention as pa
 
     contexts = spread_contexts(w.decode_contexts(), DECODE_BATCH)
     decode = pa.make_batch(

@@ -1,7 +1,7 @@
 """Decode paged attention on CUDA: the Triton kernel against the reference gather + SDPA.
 
-    python -m benchmarks.paged_attention [--out DIR]
-    python -m benchmarks.paged_attention --prefill [--chunks 4 --chunk-len 512 --contexts 0 2048]
+    compile-engine bench paged-attention [--out DIR]
+    compile-engine bench paged-attention --prefill [--chunks 4 --chunk-len 512 --contexts 0 2048]
 
 Llama-3-8B attention shapes (Hq 32, Hkv 8, D 128, bf16, KV block 16), one new token per
 sequence, every sequence at the same context. Bandwidth counts the K/V bytes attention must
@@ -22,9 +22,9 @@ import functools
 
 import torch
 
-from benchmarks.results import DEFAULT_DIRECTORY, write_result
-from kernels_generated import paged_attention as pa
-from models.ops import paged_attention_ref
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
+from compile_engine.kernels_generated import paged_attention as pa
+from compile_engine.models.ops import paged_attention_ref
 
 PEAK_GB_S = 4260.0  # H200 HBM3e
 SHAPES = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-len", type=int, default=512, help="--prefill: new tokens each")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.paged_attention needs a CUDA device")
+        raise SystemExit("compile_engine.benchmarks.paged_attention needs a CUDA device")
     if args.prefill:
         contexts = [0, 2048] if args.contexts == p.get_default("contexts") else args.contexts
         rows = run_prefill(args.chunks, args.chunk_len, contexts, args.iters)

@@ -46,8 +46,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import add_engine_flags, random_prompts, sampled_lengths
-from benchmarks.results import REPO_ROOT, print_table, write_result
+from compile_engine.benchmarks.common import add_engine_flags, random_prompts, sampled_lengths
+from compile_engine.benchmarks.results import REPO_ROOT, print_table, write_result
 
 # Besides mean and median: vLLM reports p99; p90 is what SLO discussions often use.
 PERCENTILES = (90, 99)
@@ -299,7 +299,7 @@ def add_word_tokenizer(model: str | Path) -> Path | None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from models.tokenizer import SAVED_DIR, has_tokenizer
+    from compile_engine.models.tokenizer import SAVED_DIR, has_tokenizer
 
     path = Path(model)
     if (path / "manifest.json").is_file():
@@ -487,11 +487,11 @@ def free_port() -> int:
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     """`compile-engine serve` with every engine flag the serve CLI defines that `args` holds:
     the flag names are shared (benchmarks/common.py), so the mapping is read off the CLI."""
-    from runtime.cli import add_engine_arguments
+    from compile_engine.runtime.engine_args import add_engine_arguments
 
     cli = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(cli)
-    command = [sys.executable, "-m", "runtime.cli", "serve", str(args.model)]
+    command = [sys.executable, "-m", "compile_engine.cli", "serve", str(args.model)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--max-waiting", str(args.max_waiting)]
     for action in cli._actions:

@@ -31,16 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.results import DEFAULT_DIRECTORY, write_result
+from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 
 _READY = """
 import json, sys, time
 spawned_at = float(sys.argv[3])
 started_at = time.time()
 t0 = time.perf_counter()
-from runtime import bytecode_cache
+from compile_engine.runtime import bytecode_cache
 bytecode_cache.enable()  # as compile-engine serve does before its imports
-from runtime import LLM
+from compile_engine.runtime.llm import LLM
 t_import = time.perf_counter() - t0
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
 ready = time.perf_counter() - t0
@@ -72,9 +72,9 @@ _WEIGHTS_ALONE = """
 import json, sys, time
 from pathlib import Path
 import torch
-from compiler.artifact import Manifest
-from models.config import config_from_dict
-from models.loader import load_weights, open_model
+from compile_engine.compiler.artifact import Manifest
+from compile_engine.models.config import config_from_dict
+from compile_engine.models.loader import load_weights, open_model
 artifact = Path(sys.argv[1])
 m = Manifest.read(artifact)
 model = str(artifact / m.weights_path) if m.weights_path else m.model_path
@@ -132,7 +132,7 @@ def build_and_load(
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "compile_engine.cli",
             "build",
             model,
             "--target",

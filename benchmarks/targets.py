@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
-from benchmarks.results import result_kind, result_model, result_variant
+from compile_engine.benchmarks.results import result_kind, result_model, result_variant
 
 # The peers, measured on the H200 with Llama-3-8B-shaped random bf16 weights (BRIEF.md).
 VLLM = "vLLM 0.26.0"

@@ -16,7 +16,7 @@ import random
 import sys
 import time
 
-from benchmarks.common import (
+from compile_engine.benchmarks.common import (
     add_engine_flags,
     engine_kwargs,
     engine_settings,
@@ -25,9 +25,9 @@ from benchmarks.common import (
     sampled_lengths,
     timed,
 )
-from benchmarks.results import print_table, write_result
-from benchmarks.telemetry import GpuSampler
-from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from compile_engine.benchmarks.results import print_table, write_result
+from compile_engine.benchmarks.telemetry import GpuSampler
+from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 STEP_KINDS = ("with prefill", "decode only")
 
@@ -98,7 +98,7 @@ def bench_throughput(
     warmup_output_len: int = 8,
     seed: int = 0,
 ) -> dict:
-    from runtime import SamplingParams
+    from compile_engine.runtime.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = llm.engine.model_config.vocab_size
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime import LLM
+    from compile_engine.runtime.llm import LLM
 
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()

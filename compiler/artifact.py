@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compiler.config import INDUCTOR_PDL_ENV, CompileConfig, inductor_pdl
+from compile_engine.compiler.config import INDUCTOR_PDL_ENV, CompileConfig, inductor_pdl
 
 FORMAT_VERSION = 1
 ENGINE_VERSION = "0.1.0"

@@ -26,8 +26,8 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from models import ops  # also registers torch.ops.ce
-from passes.manager import PassManager
+from compile_engine.models import ops  # also registers torch.ops.ce
+from compile_engine.passes.manager import PassManager
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def _cache_counter(name: str) -> int:
 def inductor_compile(gm: fx.GraphModule, args: list) -> Callable:
     # Imported here, not at the top: it imports Inductor (and Triton with it), 3 s of
     # `import runtime` on the H200, which the engine pays only if it compiles.
-    from compiler.inductor_passes import UNFUSE_RESIDUAL_ADDMM
+    from compile_engine.compiler.inductor_passes import UNFUSE_RESIDUAL_ADDMM
 
     # Our post-grad pass undoes Inductor's mm + residual -> addmm fusion, whose 2-D `self`
     # aten copies into the output before the GEMM (compiler/inductor_passes.py). Patched per

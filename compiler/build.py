@@ -14,13 +14,23 @@ from pathlib import Path
 
 import torch
 
-from compiler.artifact import Manifest, code_hash, device_description, model_fingerprint, versions
-from compiler.compiled_model import CompiledForward
-from compiler.config import CompileConfig, inductor_pdl
-from compiler.cuda_graphs import MAX_GRAPH_TOKENS, CUDAGraphRunner, default_capture_sizes
-from models.config import config_to_dict
-from models.loader import LoadedModel, export_hf_checkpoint, load_model
-from models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
+from compile_engine.compiler.artifact import (
+    Manifest,
+    code_hash,
+    device_description,
+    model_fingerprint,
+    versions,
+)
+from compile_engine.compiler.compiled_model import CompiledForward
+from compile_engine.compiler.config import CompileConfig, inductor_pdl
+from compile_engine.compiler.cuda_graphs import (
+    MAX_GRAPH_TOKENS,
+    CUDAGraphRunner,
+    default_capture_sizes,
+)
+from compile_engine.models.config import config_to_dict
+from compile_engine.models.loader import LoadedModel, export_hf_checkpoint, load_model
+from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compiler.backend import PiecewiseBackend
-from compiler.config import CompileConfig, apply_inductor_settings
-from models import ops
-from models.layers import AttentionMetadata
-from passes.base import PassContext
-from passes.manager import PassManager
-from passes.registry import select
+from compile_engine.compiler.backend import PiecewiseBackend
+from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
+from compile_engine.models import ops
+from compile_engine.models.layers import AttentionMetadata
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.manager import PassManager
+from compile_engine.passes.registry import select
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ INDUCTOR_PDL_ENV = "TORCHINDUCTOR_ENABLE_PDL"
 def inductor_pdl(config: CompileConfig) -> bool:
     """Whether Inductor's kernels use programmatic dependent launch: on the h100 target only
     when TORCHINDUCTOR_ENABLE_PDL (Inductor's own switch) says 1."""
-    from kernels_generated.device import env_switch  # torch, imported by then anyway
+    from compile_engine.kernels_generated.device import env_switch  # torch, imported by then anyway
 
     on = env_switch(INDUCTOR_PDL_ENV, default=False, error=CompileConfigError)
     return config.target == "h100" and on

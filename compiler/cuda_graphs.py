@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.layers import AttentionMetadata
+from compile_engine.models.layers import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ def short_table_widths(
     paged-attention kernel."""
     if not any(match_counts.get(name) for name in PAGED_ATTENTION_PASSES):
         return {}
-    from kernels_generated.paged_attention import unsplit_context  # imported by those passes
+    from compile_engine.kernels_generated.paged_attention import (
+        unsplit_context,  # imported by those passes
+    )
 
     widths = {}
     for size in capture_sizes:

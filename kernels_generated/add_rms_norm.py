@@ -16,7 +16,7 @@ Rows: x is [..., H]; a 2-D x gives rows of stride x.stride(0), a 3-D x (Qwen3's 
 [T, heads, D], a strided view of the QKV output) gives rows by (outer, inner) strides, so
 neither is copied. Outputs are `torch.empty_like(x)`, exactly what the op's fake promises.
 
-Measured on the H200 (`python -m benchmarks fusions`, add_rms_norm at hidden 4096, bf16,
+Measured on the H200 (`compile-engine bench fusions`, add_rms_norm at hidden 4096, bf16,
 CUDA-graph replay): 1.71 / 1.87 / 2.60 / 17.94 us at T = 1 / 64 / 256 / 2048 (3.7 TB/s at
 2048), a tie with Inductor's fusion of the reference, which is also one row per program.
 
@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.configs import (
+from compile_engine.kernels_generated.configs import (
     CONFIG_DIR,
     TARGET_OF_DEVICE,
     ConfigEntry,
@@ -48,8 +48,13 @@ from kernels_generated.configs import (
     bucket_tokens,
     tuning_provenance,
 )
-from kernels_generated.timing import graph_us, kernel_main
-from models.ops import add_rms_norm_fake, add_rms_norm_ref, rms_norm_fake, rms_norm_ref
+from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.models.ops import (
+    add_rms_norm_fake,
+    add_rms_norm_ref,
+    rms_norm_fake,
+    rms_norm_ref,
+)
 
 CONFIG_FILE = CONFIG_DIR / "add_rms_norm.json"
 MAX_HIDDEN = 65536  # one tile per row: past this the registers spill (no model comes close)

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.timing import graph_us
+from compile_engine.kernels_generated.timing import graph_us
 
 CHUNK = 2048  # 4 KB of bf16 a program: 63 programs a row for Llama-3's vocabulary
 _MAX_CHUNKS = 1024  # stage 2 reads a row's partials in one block

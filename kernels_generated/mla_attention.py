@@ -27,7 +27,7 @@ On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` s
 triton is first imported), where tiles are cast to float32 after loading (the interpreter
 computes bf16 wrongly). `check()` compares with the reference; `bench()` times it.
 
-Measured on the H200 (`python -m benchmarks.mla`, bf16, DeepSeek-V2-Lite heads, decode, CUDA
+Measured on the H200 (`compile-engine bench mla`, bf16, DeepSeek-V2-Lite heads, decode, CUDA
 graph replay): 0.020 ms at batch 1 (launch-bound), 0.174 ms at batch 64 with 4k contexts
 (1.75 TB/s, 41% of the copy rate), 13-312x the naive up-projected reference; docs/mla.md.
 """
@@ -45,10 +45,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.device import sm_count
-from kernels_generated.paged_attention import compare_outputs, paged_layout
-from kernels_generated.timing import event_seconds
-from models.mla import mla_latent_attention_fake, mla_latent_attention_ref
+from compile_engine.kernels_generated.device import sm_count
+from compile_engine.kernels_generated.paged_attention import compare_outputs, paged_layout
+from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.models.mla import mla_latent_attention_fake, mla_latent_attention_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs M, N, K >= 16
@@ -58,7 +58,7 @@ _REDUCE_BLOCK_R = 128  # latent columns per reduce program
 
 # One config per device type. CUDA: the best of BLOCK_N {16, 32, 64} x warps {4, 8} x stages
 # {2, 3} at every one of DeepSeek-V2-Lite's decode shapes (batch 1/64, context 512/4k) on the
-# H200 (`python -m benchmarks.mla --sweep`; docs/mla.md).
+# H200 (`compile-engine bench mla --sweep`; docs/mla.md).
 _CONFIGS = {
     "cuda": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 8, "num_stages": 2},
     "cpu": {"BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 1, "num_stages": 1},

@@ -40,15 +40,15 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, ConfigTable
-from kernels_generated.timing import event_seconds
-from models.moe import (
+from compile_engine.kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, ConfigTable
+from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.models.moe import (
     align_capacity,
     moe_align_ref,
     moe_combine_ref,
     moe_grouped_gemm_ref,
 )
-from models.ops import silu_and_mul_ref
+from compile_engine.models.ops import silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "moe_grouped_gemm.json"
 _ALIGN_CHUNK = 64

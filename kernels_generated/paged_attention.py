@@ -56,14 +56,14 @@ sequences (`BY_SEQ`), serves them, so a mixed batch's decodes waste no dot rows.
 launches touch disjoint tokens. `choose_tiled` takes the variant for batches with at least
 two tokens per sequence slot, never split. On the H200 at 9488c66 (bf16, Llama-3-8B heads)
 four 512-token chunks take 0.055 ms against 0.342 ms single-token, 0.321 against 2.479 after
-2k tokens of context (`python -m benchmarks.paged_attention --prefill`); a mixed offline step
+2k tokens of context (`compile-engine bench paged-attention --prefill`); a mixed offline step
 (3 chunks of 600 + 237 decodes at contexts 513-768) 245 us.
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: there tiles are cast to float32 right
 after loading. `check()` compares with the reference; `bench()` reports achieved GB/s.
 
-Measured on the H200 at 9488c66 (`python -m benchmarks.paged_attention --contexts 100 640
+Measured on the H200 at 9488c66 (`compile-engine bench paged-attention --contexts 100 640
 4096 32768`, bf16 decode, Hq 32, Hkv 8, D 128, block 16, one context for every sequence,
 CUDA-graph replay; paged_attention-nvidia-h200-9488c66.json): batch 256 reads 101-103% of the
 4.26 TB/s copy rate at contexts 4k / 32k (1.00 / 7.87 ms a layer), 92% at 640 (0.172 ms), 53%
@@ -87,12 +87,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.counters import arrival_counters
-from kernels_generated.device import env_switch, pdl_launch, pdl_mode, sm_count
-from kernels_generated.rotary import rotary_triton
-from kernels_generated.timing import event_seconds
-from models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
-from models.rope import cos_sin_table
+from compile_engine.kernels_generated.counters import arrival_counters
+from compile_engine.kernels_generated.device import env_switch, pdl_launch, pdl_mode, sm_count
+from compile_engine.kernels_generated.rotary import rotary_triton
+from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
+from compile_engine.models.rope import cos_sin_table
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16

@@ -20,7 +20,7 @@ each product is rounded to it, then their sum; launched without FMA contraction 
 launcher), the kernel equals the reference bit for bit: bf16 on the H200, float32 and float16
 under the CPU interpreter.
 
-Measured on the H200 (`python -m benchmarks fusions`, Llama-3-8B heads, bf16, CUDA-graph
+Measured on the H200 (`compile-engine bench fusions`, Llama-3-8B heads, bf16, CUDA-graph
 replay): 1.44 / 1.70 / 2.28 / 9.83 us at T = 1 / 64 / 256 / 2048 (4.4 TB/s at 2048), x1.8 to
 x3.0 over Inductor's fusion of the reference.
 
@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.configs import (
+from compile_engine.kernels_generated.configs import (
     CONFIG_DIR,
     TARGET_OF_DEVICE,
     ConfigEntry,
@@ -50,8 +50,8 @@ from kernels_generated.configs import (
     bucket_tokens,
     tuning_provenance,
 )
-from kernels_generated.timing import graph_us, kernel_main
-from models.ops import rotary_fake, rotary_ref
+from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.models.ops import rotary_fake, rotary_ref
 
 CONFIG_FILE = CONFIG_DIR / "rotary.json"
 
@@ -321,7 +321,7 @@ def make_inputs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(positions, q, k, cos_sin_cache) as the model hands them over: q and k strided views of
     one [T, (Hq + 2 Hkv) D] QKV output, random positions, a float32 table of real angles."""
-    from models.rope import cos_sin_table
+    from compile_engine.models.rope import cos_sin_table
 
     rot_dim = head_dim if rot_dim is None else rot_dim
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -11,7 +11,7 @@ reference (HF's `F.silu(gate) * up` in the activation dtype): silu as ATen compu
 `g / (1 + exp(-g))` in float32, rounded to the activation dtype, then the product in that
 dtype. exp's last float32 bit may differ from ATen's, moving a result by one ulp at most.
 
-Measured on the H200 (`python -m benchmarks fusions`, I = 14336, bf16, CUDA-graph replay):
+Measured on the H200 (`compile-engine bench fusions`, I = 14336, bf16, CUDA-graph replay):
 1.21 / 1.93 / 3.65 / 43.43 us at T = 1 / 64 / 256 / 2048; against Inductor's fusion of the
 reference a tie at one token and at 2048, ahead at 64 and 256.
 
@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from kernels_generated.configs import (
+from compile_engine.kernels_generated.configs import (
     CONFIG_DIR,
     TARGET_OF_DEVICE,
     ConfigEntry,
@@ -41,9 +41,9 @@ from kernels_generated.configs import (
     bucket_tokens,
     tuning_provenance,
 )
-from kernels_generated.device import pdl_launch, pdl_mode
-from kernels_generated.timing import graph_us, kernel_main
-from models.ops import silu_and_mul_fake, silu_and_mul_ref
+from compile_engine.kernels_generated.device import pdl_launch, pdl_mode
+from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.models.ops import silu_and_mul_fake, silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "silu_and_mul.json"
 

@@ -22,7 +22,7 @@ Running it:
   source for any config is available without a GPU: `emit_triton(config)`.
 
 `check()` compares with the reference, `bench()` times it against the reference on a GPU;
-`python -m kernels_generated.silu_and_mul_helion` runs both.
+`python -m compile_engine.kernels_generated.silu_and_mul_helion` runs both.
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ import helion.language as hl
 import torch
 from torch import Tensor
 
-from kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, ConfigTable, bucket_tokens
-from models.ops import silu_and_mul_ref
+from compile_engine.kernels_generated.configs import (
+    CONFIG_DIR,
+    TARGET_OF_DEVICE,
+    ConfigTable,
+    bucket_tokens,
+)
+from compile_engine.models.ops import silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "silu_and_mul_helion.json"
 # The only GPU target: a CUDA device is taken to be an H100/H200 (sm_90).

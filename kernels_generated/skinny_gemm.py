@@ -42,13 +42,13 @@ split-K reduction. This kernel is one launch whatever the split:
 
 Which GEMM runs is chosen per call from configs/skinny_gemm.json, keyed by the weight's exact
 (N, K) and the row count bucketed to a power of two (M <= 256), as measured on the H200 by
-`python -m benchmarks gemm --write-configs`: this kernel with its tuned config, cuBLASLt (torch's
+`compile-engine bench gemm --write-configs`: this kernel with its tuned config, cuBLASLt (torch's
 preferred BLAS library switched for that call only) or cuBLAS, whichever was fastest by at
 least 5% over cuBLAS. A shape without an entry, more than 256 rows, float32 or a CPU tensor
 outside the interpreter run F.linear (cuBLAS). Inside a CUDA graph the choice is made once, at
 capture.
 
-Measured on the H200 (`python -m benchmarks gemm`, bf16, CUDA-graph replay with the weight
+Measured on the H200 (`compile-engine bench gemm`, bf16, CUDA-graph replay with the weight
 read from HBM, at d813e66): the swapped dot with a [16, 64, 256] tile and no split streams the
 o_proj weight [4096, 4096] in 11.2 us at M = 1..16 where cuBLAS takes 13.3-13.7 (x1.2, 3.0 TB/s)
 and qkv [6144, 4096] in 14.7-15.6 us against 15.5-16.5 (x1.04-1.07, up to 3.4 TB/s); on
@@ -59,7 +59,7 @@ here yet. Splits helped only the K = 14336 and M = 32 cells, by a few percent.
 
 On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), float32/float16 only (the interpreter computes bf16 wrongly).
-`check()` compares with the reference; `python -m benchmarks gemm` times it against cuBLAS.
+`check()` compares with the reference; `compile-engine bench gemm` times it against cuBLAS.
 """
 
 from __future__ import annotations
@@ -80,9 +80,14 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels_generated.configs import CONFIG_DIR, ConfigEntry, ConfigTable, bucket_tokens
-from kernels_generated.counters import arrival_counters
-from kernels_generated.device import (
+from compile_engine.kernels_generated.configs import (
+    CONFIG_DIR,
+    ConfigEntry,
+    ConfigTable,
+    bucket_tokens,
+)
+from compile_engine.kernels_generated.counters import arrival_counters
+from compile_engine.kernels_generated.device import (
     ab_switch,
     pdl_enabled,
     pdl_launch,
@@ -90,7 +95,7 @@ from kernels_generated.device import (
     pdl_settings,
     sm_count,
 )
-from models.ops import add_rms_norm_ref, silu_and_mul_ref
+from compile_engine.models.ops import add_rms_norm_ref, silu_and_mul_ref
 
 log = logging.getLogger(__name__)
 
@@ -688,7 +693,7 @@ def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
 def fused_config(x: Tensor, w: Tensor, gated: bool) -> dict | None:
     """The launch config `add_rms_norm_linear` runs fused with, or None for the unfused path:
     the entry's `fused` config for this launch kind ("gated" with silu_and_mul, else "plain"),
-    which `python -m benchmarks gemm-norm --write-configs` writes only where the fused launch
+    which `compile-engine bench gemm-norm --write-configs` writes only where the fused launch
     beat the norm kernel and the tuned GEMM [and silu_and_mul] it replaces; at most
     NORM_MAX_ROWS rows, on inputs that `reads_table`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -702,7 +707,7 @@ def fused_config(x: Tensor, w: Tensor, gated: bool) -> dict | None:
 def _activation(gate_up: Tensor) -> Tensor:
     """silu_and_mul of a [.., 2I] GEMM output: the Triton kernel on CUDA, else the reference."""
     if gate_up.is_cuda and not INTERPRETED:
-        from kernels_generated.silu_and_mul import silu_and_mul_triton
+        from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
 
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)
@@ -727,7 +732,7 @@ def add_rms_norm_linear(
         )
         return out.view(*x.shape[:-1], out_features), summed.view(x.shape)
     if x.is_cuda and not INTERPRETED:
-        from kernels_generated.add_rms_norm import rms_norm_triton
+        from compile_engine.kernels_generated.add_rms_norm import rms_norm_triton
 
         normed, summed = rms_norm_triton(x, norm_weight, eps, residual)
     else:

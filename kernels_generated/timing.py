@@ -87,8 +87,8 @@ def kernel_main(
     tune: Callable[[], object],
     argv: list[str] | None = None,
 ) -> int:
-    """`python -m kernels_generated.<kernel> [--tune]` for a Triton fusion kernel file: check
-    against the reference (and bench on a GPU), or tune its configs on the GPU."""
+    """`python -m compile_engine.kernels_generated.<kernel> [--tune]` for a Triton fusion kernel:
+    check against the reference (and bench on a GPU), or tune its configs on the GPU."""
     import argparse
 
     import torch

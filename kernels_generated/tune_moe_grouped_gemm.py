@@ -1,6 +1,7 @@
 """Tune the MoE grouped-GEMM tiles on the current GPU and write them to the config file.
 
-    python -m kernels_generated.tune_moe_grouped_gemm --experts 128,64 --tokens 1,64,256,2048
+    python -m compile_engine.kernels_generated.tune_moe_grouped_gemm \
+        --experts 128,64 --tokens 1,64,256,2048
 
 For each (experts, token count): for each BLOCK_M worth trying at that many rows per expert,
 align once, then time every tile candidate of GEMM 1 (silu fused) and of GEMM 2 (weights
@@ -21,8 +22,8 @@ import time
 import torch
 import triton
 
-from kernels_generated import moe_grouped_gemm as mk
-from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+from compile_engine.kernels_generated import moe_grouped_gemm as mk
+from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): narrow-N/deep-K tiles stream decode's few rows
 # through many programs; wide tiles reuse each loaded weight over more rows at prefill.

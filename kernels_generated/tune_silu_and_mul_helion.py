@@ -2,7 +2,7 @@
 
 Run on the H200 (the `h100` target), from the repository root:
 
-    HELION_AUTOTUNE_EFFORT=quick python -m kernels_generated.tune_silu_and_mul_helion
+    HELION_AUTOTUNE_EFFORT=quick python -m compile_engine.kernels_generated.tune_silu_and_mul_helion
 
 (add HELION_AUTOTUNE_BUDGET_SECONDS=N to bound each shape class's search to N seconds)
 
@@ -26,7 +26,12 @@ import sys
 
 import torch
 
-from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs, bucket_tokens
+from compile_engine.kernels_generated.configs import (
+    ConfigEntry,
+    ConfigTable,
+    TargetConfigs,
+    bucket_tokens,
+)
 
 INTERS = (14336, 1536)
 TOKENS = (1, 64, 256, 2048)
@@ -42,9 +47,9 @@ def tune(
     import helion
     import triton
 
-    from kernels_generated import silu_and_mul_helion as k
-    from kernels_generated.timing import graph_us
-    from models.ops import silu_and_mul_ref
+    from compile_engine.kernels_generated import silu_and_mul_helion as k
+    from compile_engine.kernels_generated.timing import graph_us
+    from compile_engine.models.ops import silu_and_mul_ref
 
     if not torch.cuda.is_available() or k.interpreted():
         raise SystemExit("tuning needs a CUDA device and compiled Helion (HELION_INTERPRET unset)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.errors import UnsupportedModelError
+from compile_engine.models.errors import UnsupportedModelError
 
 _DTYPES = {
     "float32": torch.float32,
@@ -154,7 +154,7 @@ def config_to_dict(config: ModelConfig) -> dict:
 
 def config_from_dict(data: dict) -> ModelConfig:
     module_name, _, name = data["class"].rpartition(".")
-    if not module_name.startswith("models."):
+    if not module_name.startswith(f"{__package__}."):
         raise ValueError(f"{data['class']} is not a model config of this engine")
     cls = getattr(importlib.import_module(module_name), name, None)
     if not (isinstance(cls, type) and issubclass(cls, ModelConfig)):

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from models import mla
-from models.config import config_from_hf
-from models.layers import (
+from compile_engine.models import mla
+from compile_engine.models.config import config_from_hf
+from compile_engine.models.layers import (
     AttentionMetadata,
     Embedding,
     FusedLinear,
@@ -44,8 +44,8 @@ from models.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
-from models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
-from models.moe import MoEConfig, SparseMoE
+from compile_engine.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from compile_engine.models.moe import MoEConfig, SparseMoE
 
 # Per-expert checkpoint projections stacked into SparseMoE's w13 [E, 2I, H] and w2 [E, H, I].
 EXPERT_SHARDS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}

@@ -23,8 +23,8 @@ import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from models.errors import ModelNotFoundError, UnsupportedModelError
-from models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
+from compile_engine.models.errors import ModelNotFoundError, UnsupportedModelError
+from compile_engine.models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
 
 __all__ = ["SMOLLM2_ALIAS", "GGUFCheckpoint", "resolve_alias"]
 

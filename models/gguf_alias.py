@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-from models.errors import ModelNotFoundError
+from compile_engine.models.errors import ModelNotFoundError
 
 SMOLLM2_ALIAS = "smollm2-135m"
 

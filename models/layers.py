@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import ops
-from models.config import ModelConfig
-from models.errors import CheckpointError
-from models.rope import cos_sin_table
+from compile_engine.models import ops
+from compile_engine.models.config import ModelConfig
+from compile_engine.models.errors import CheckpointError
+from compile_engine.models.rope import cos_sin_table
 
 
 @dataclass(slots=True)

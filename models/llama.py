@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from models.config import ModelConfig, config_from_hf
-from models.errors import UnsupportedModelError
-from models.layers import (
+from compile_engine.models.config import ModelConfig, config_from_hf
+from compile_engine.models.errors import UnsupportedModelError
+from compile_engine.models.layers import (
     Attention,
     AttentionMetadata,
     Embedding,

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.config import ModelConfig, resolve_dtype
-from models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
-from models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
-from models.layers import FusedLinear
-from models.moe import StackedExperts
-from models.registry import model_class
+from compile_engine.models.config import ModelConfig, resolve_dtype
+from compile_engine.models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from compile_engine.models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
+from compile_engine.models.layers import FusedLinear
+from compile_engine.models.moe import StackedExperts
+from compile_engine.models.registry import model_class
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def open_model(
     device = torch.device(device)
     hf_config = None
     if source.kind == "gguf":
-        from models.gguf import GGUFCheckpoint
+        from compile_engine.models.gguf import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(source.path)
         hf_config = checkpoint.hf_config()

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import custom_op
 
-from models import ops
-from models.ops import _gather
+from compile_engine.models import ops
+from compile_engine.models.ops import _gather
 
 
 class MLAShapeError(ValueError):

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.library import custom_op
 
-from models import ops
-from models.config import ModelConfig
-from models.errors import CheckpointError, UnsupportedModelError
+from compile_engine.models import ops
+from compile_engine.models.config import ModelConfig
+from compile_engine.models.errors import CheckpointError, UnsupportedModelError
 
 # models.ops imports this module so that importing it registers the whole op vocabulary, and
 # models.layers imports models.ops: the layers this file builds on are therefore imported where
@@ -318,7 +318,7 @@ def validate_moe_config(config: MoEConfig) -> None:
 
 
 def _copy_checked(dst: Tensor, src: Tensor, name: str) -> None:
-    from models.layers import _copy_checked as copy_checked
+    from compile_engine.models.layers import _copy_checked as copy_checked
 
     copy_checked(dst, src, name)
 
@@ -424,7 +424,7 @@ class SparseMoE(nn.Module):
         shards: dict[str, tuple[str, ...]],
         shared_expert_name: str = "shared_expert",
     ) -> None:
-        from models.layers import GatedMLP, Linear
+        from compile_engine.models.layers import GatedMLP, Linear
 
         super().__init__()
         validate_moe_config(config)

@@ -16,10 +16,10 @@ block `mlp`. Our parameters follow the in-memory layout (`mlp.experts.w13`, `mlp
 
 from __future__ import annotations
 
-from models.config import config_from_hf
-from models.errors import UnsupportedModelError
-from models.llama import LlamaForCausalLM
-from models.moe import MoEConfig, SparseMoE, sparse_layer_indices
+from compile_engine.models.config import config_from_hf
+from compile_engine.models.errors import UnsupportedModelError
+from compile_engine.models.llama import LlamaForCausalLM
+from compile_engine.models.moe import MoEConfig, SparseMoE, sparse_layer_indices
 
 # transformers 5's stacked expert tensors -> ours (the same layout, other names).
 _STACKED_RENAMES = {"experts.gate_up_proj": "experts.w13", "experts.down_proj": "experts.w2"}

@@ -269,5 +269,5 @@ HOST_SYNC_OPS: set[str] = {"paged_attention"}
 
 # Ops defined in modules of their own join OPS when they are imported; importing them here
 # means that importing models.ops registers the whole vocabulary (torch.ops.ce.*).
-import models.mla  # noqa: E402, F401
-import models.moe  # noqa: E402, F401
+import compile_engine.models.mla  # noqa: E402, F401
+import compile_engine.models.moe  # noqa: E402, F401

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from models.errors import UnsupportedModelError
-from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from compile_engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from compile_engine.models.errors import UnsupportedModelError
+from compile_engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from compile_engine.models.moe_models import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

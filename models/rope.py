@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from models.errors import UnsupportedModelError
+from compile_engine.models.errors import UnsupportedModelError
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ def load_tokenizer(
     cached = _cache_root() / _gguf_key(path)
     if has_tokenizer(cached):
         return transformers.AutoTokenizer.from_pretrained(str(cached))
-    from models.gguf import GGUFCheckpoint
+    from compile_engine.models.gguf import GGUFCheckpoint
 
     tokenizer = GGUFCheckpoint(path).tokenizer()
     # transformers ignores this flag for BPE tokenizers but warns at every load while it is set.

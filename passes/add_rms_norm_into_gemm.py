@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 def _getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
@@ -74,7 +74,7 @@ class AddRmsNormIntoGemm(GraphPass):
     )
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
-        import kernels_generated.skinny_gemm  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.skinny_gemm  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.add_rms_norm_linear.default
         silu = torch.ops.ce.silu_and_mul.default

@@ -18,8 +18,8 @@ import operator
 import torch
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 def _rotary_pair(attention: fx.Node) -> fx.Node | None:
@@ -57,7 +57,7 @@ class RotaryIntoAttention(GraphPass):
     kernel_files = ("kernels_generated/paged_attention.py",)
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
-        import kernels_generated.paged_attention  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.paged_attention  # noqa: F401  (registers ce_kernels ops)
 
         fused = torch.ops.ce_kernels.paged_attention_rotary.default
         count = 0

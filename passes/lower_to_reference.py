@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from torch import fx
 
-from models import ops
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.models import ops
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 LOWERED = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from passes.base import GraphPass, PassContext
+from compile_engine.passes.base import GraphPass, PassContext
 
 log = logging.getLogger(__name__)
 

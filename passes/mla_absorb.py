@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from torch import fx
 
-import kernels_generated
-from models import mla
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine import kernels_generated
+from compile_engine.models import mla
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 def _val(node: fx.Node) -> torch.Tensor:
@@ -86,7 +86,7 @@ class MLAAbsorb(GraphPass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         if ctx.target == "h100":
-            import kernels_generated.mla_attention  # noqa: F401  (registers ce_kernels ops)
+            import compile_engine.kernels_generated.mla_attention  # noqa: F401  (registers ce_kernels ops)
 
             latent_attention = torch.ops.ce_kernels.mla_latent_attention.default
         else:

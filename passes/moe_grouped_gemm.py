@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _KERNEL_FILES = (
@@ -88,8 +88,8 @@ class MoEGroupedGemm(GraphPass):
         return h.hexdigest()[:16]
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
-        import kernels_generated.moe_grouped_gemm  # noqa: F401  (registers ce_kernels ops)
-        import models.moe  # noqa: F401  (registers the ce MoE ops)
+        import compile_engine.kernels_generated.moe_grouped_gemm  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.models.moe  # noqa: F401  (registers the ce MoE ops)
 
         fused = torch.ops.ce_kernels.moe_fused_experts.default
         count = 0

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 @register
@@ -25,7 +25,7 @@ class PagedAttentionKernel(GraphPass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         import torch
 
-        import kernels_generated.paged_attention  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.paged_attention  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.paged_attention.default
         nodes = op_nodes(graph, "paged_attention")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from passes.base import GraphPass
+from compile_engine.passes.base import GraphPass
 
 REGISTRY: dict[str, GraphPass] = {}
 
@@ -41,14 +41,14 @@ def select(spec: str | None) -> list[GraphPass]:
 
 def load_all() -> None:
     """Import every pass module so that its @register runs (explicit, not at import of passes)."""
-    import passes.add_rms_norm_into_gemm  # noqa: F401  (before rms_norm_triton, skinny_gemm)
-    import passes.fuse_rotary_attention  # noqa: F401  (before paged_attention, rotary_triton)
-    import passes.lower_to_reference  # noqa: F401
-    import passes.mla_absorb  # noqa: F401
-    import passes.moe_grouped_gemm  # noqa: F401  (before the silu_and_mul passes)
-    import passes.paged_attention  # noqa: F401
-    import passes.rms_norm_triton  # noqa: F401
-    import passes.rotary_triton  # noqa: F401
-    import passes.silu_and_mul_helion  # noqa: F401
-    import passes.silu_and_mul_triton  # noqa: F401
-    import passes.skinny_gemm  # noqa: F401
+    import compile_engine.passes.add_rms_norm_into_gemm  # noqa: F401  (before rms_norm_triton, skinny_gemm)
+    import compile_engine.passes.fuse_rotary_attention  # noqa: F401  (before paged_attention, rotary_triton)
+    import compile_engine.passes.lower_to_reference  # noqa: F401
+    import compile_engine.passes.mla_absorb  # noqa: F401
+    import compile_engine.passes.moe_grouped_gemm  # noqa: F401  (before the silu_and_mul passes)
+    import compile_engine.passes.paged_attention  # noqa: F401
+    import compile_engine.passes.rms_norm_triton  # noqa: F401
+    import compile_engine.passes.rotary_triton  # noqa: F401
+    import compile_engine.passes.silu_and_mul_helion  # noqa: F401
+    import compile_engine.passes.silu_and_mul_triton  # noqa: F401
+    import compile_engine.passes.skinny_gemm  # noqa: F401

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 @register
@@ -38,7 +38,7 @@ class RmsNormTriton(GraphPass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         # Imported here: listing passes or building for cpu must not import triton.
-        import kernels_generated.add_rms_norm  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.add_rms_norm  # noqa: F401  (registers ce_kernels ops)
 
         count = 0
         for op_name in ("rms_norm", "add_rms_norm"):

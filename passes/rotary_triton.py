@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 @register
@@ -32,7 +32,7 @@ class RotaryTriton(GraphPass):
     kernel_files = ("kernels_generated/rotary.py", "kernels_generated/configs/rotary.json")
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
-        import kernels_generated.rotary  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.rotary  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.rotary.default
         nodes = op_nodes(graph, "rotary")

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import fx
 
-import kernels_generated
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine import kernels_generated
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 @register
@@ -45,7 +45,7 @@ class SiluAndMulHelion(GraphPass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         # Imported here, not at module import: listing passes must not need helion installed.
-        import kernels_generated.silu_and_mul_helion  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.silu_and_mul_helion  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.silu_and_mul_helion.default
         nodes = op_nodes(graph, "silu_and_mul")

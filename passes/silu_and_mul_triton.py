@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes.base import GraphPass, PassContext, op_nodes
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.registry import register
 
 
 @register
@@ -37,7 +37,7 @@ class SiluAndMulTriton(GraphPass):
     )
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
-        import kernels_generated.silu_and_mul  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.silu_and_mul  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.silu_and_mul.default
         nodes = op_nodes(graph, "silu_and_mul")

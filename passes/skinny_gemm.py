@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes.base import GraphPass, PassContext
-from passes.registry import register
+from compile_engine.passes.base import GraphPass, PassContext
+from compile_engine.passes.registry import register
 
 
 def bias_free_linears(graph: fx.Graph) -> list[fx.Node]:
@@ -67,7 +67,7 @@ class SkinnyGemm(GraphPass):
     )
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
-        import kernels_generated.skinny_gemm  # noqa: F401  (registers ce_kernels ops)
+        import compile_engine.kernels_generated.skinny_gemm  # noqa: F401  (registers ce_kernels ops)
 
         kernel = torch.ops.ce_kernels.skinny_linear.default
         nodes = bias_free_linears(graph)

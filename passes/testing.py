@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from passes.base import GraphPass, PassContext
-from passes.manager import PassManager
-from passes.registry import REGISTRY, load_all
+from compile_engine.passes.base import GraphPass, PassContext
+from compile_engine.passes.manager import PassManager
+from compile_engine.passes.registry import REGISTRY, load_all
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = REPO_ROOT / "tests"
@@ -85,8 +85,12 @@ def capture_graph(
     single `torch.ops.ce.*` nodes, before any pass), for a tiny `model_name` or the model in
     `model_dir`. Traced like CompiledForward.capture: same dummy batch, token dims dynamic,
     floats specialised; the recording backend returns the graph uncompiled (no Inductor)."""
-    from compiler.compiled_model import _drop_all_guards, _own_code_object, dummy_batch
-    from models.loader import load_model
+    from compile_engine.compiler.compiled_model import (
+        _drop_all_guards,
+        _own_code_object,
+        dummy_batch,
+    )
+    from compile_engine.models.loader import load_model
 
     model_dir = model_dir or make_model_dir(model_name)
     model = load_model(model_dir, dtype=dtype).model
@@ -192,9 +196,9 @@ def compiled_logits(
     with `inductor=True` Inductor compiles the pieces as in a build (tens of seconds on CPU).
     Returns the logits and the pass manager's match counts.
     """
-    from compiler.compiled_model import CompiledForward
-    from compiler.config import CompileConfig
-    from models.loader import load_model
+    from compile_engine.compiler.compiled_model import CompiledForward
+    from compile_engine.compiler.config import CompileConfig
+    from compile_engine.models.loader import load_model
 
     harness_mod = tests_module("paged_harness")
     loaded = load_model(model_dir, dtype=ctx.dtype)

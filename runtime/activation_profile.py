@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from compiler.artifact import code_hash, device_description
-from compiler.build import CACHE_SUBDIR as ARTIFACT_CACHE_SUBDIR
-from compiler.build import BuildStep
-from models.loader import LoadedModel
-from runtime.model_runner import profile_activation_bytes
+from compile_engine.compiler.artifact import code_hash, device_description
+from compile_engine.compiler.build import CACHE_SUBDIR as ARTIFACT_CACHE_SUBDIR
+from compile_engine.compiler.build import BuildStep
+from compile_engine.models.loader import LoadedModel
+from compile_engine.runtime.model_runner import profile_activation_bytes
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.metrics import ServerMetrics
-from runtime.model_runner import StepCounters
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import DuplicateRequest, SchedulerStats
+from compile_engine.runtime.engine import LLMEngine, RequestOutput
+from compile_engine.runtime.metrics import ServerMetrics
+from compile_engine.runtime.model_runner import StepCounters
+from compile_engine.runtime.sampling_params import SamplingParams
+from compile_engine.runtime.scheduler import DuplicateRequest, SchedulerStats
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

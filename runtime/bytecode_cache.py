@@ -52,7 +52,7 @@ def enable(root: Path | None = None, probe: str = "torch") -> Path | None:
     if not needed(probe):
         return None
     if root is None:
-        from compiler.config import default_cache_dir  # torch-free at import
+        from compile_engine.compiler.config import default_cache_dir  # torch-free at import
 
         root = default_cache_dir()
     prefix = root / "pycache"

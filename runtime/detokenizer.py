@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded ahead of the output for spacing context; a handful is plenty.

@@ -14,25 +14,25 @@ from pathlib import Path
 
 import torch
 
-from compiler.artifact import Manifest, device_description, is_artifact
-from compiler.compiled_model import CompiledForward
-from compiler.config import CompileConfig
-from compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
-from models.config import ModelConfig, config_from_dict
-from models.loader import LoadedModel, WeightRead, open_model
-from models.tokenizer import SAVED_DIR, load_tokenizer
-from runtime.activation_profile import activation_bytes
-from runtime.activation_profile import lookup as lookup_activation_bytes
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.model_runner import (
+from compile_engine.compiler.artifact import Manifest, device_description, is_artifact
+from compile_engine.compiler.compiled_model import CompiledForward
+from compile_engine.compiler.config import CompileConfig
+from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
+from compile_engine.models.config import ModelConfig, config_from_dict
+from compile_engine.models.loader import LoadedModel, WeightRead, open_model
+from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer
+from compile_engine.runtime.activation_profile import activation_bytes
+from compile_engine.runtime.activation_profile import lookup as lookup_activation_bytes
+from compile_engine.runtime.detokenizer import IncrementalDetokenizer
+from compile_engine.runtime.model_runner import (
     InFlightStep,
     ModelRunner,
     TokenLogprobs,
     default_num_blocks,
 )
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from compile_engine.runtime.request import Request, RequestStatus
+from compile_engine.runtime.sampling_params import SamplingParams
+from compile_engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 log = logging.getLogger(__name__)
 

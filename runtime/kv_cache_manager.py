@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from runtime.request import Request
+from compile_engine.runtime.request import Request
 
 # Parent id of a chain's first block. Real cache ids start at 1.
 _ROOT = 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.engine import EngineConfig, LLMEngine, RequestOutput
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from compile_engine.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]

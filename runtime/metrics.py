@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from runtime.model_runner import StepCounters
-from runtime.scheduler import SchedulerStats
+from compile_engine.runtime.model_runner import StepCounters
+from compile_engine.runtime.scheduler import SchedulerStats
 
 PREFIX = "compile_engine:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

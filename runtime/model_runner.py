@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiler.cuda_graphs import CUDAGraphRunner
-from kernels_generated.device import env_switch
-from models.layers import AttentionMetadata
-from models.loader import LoadedModel
-from runtime.sampler import Sampler, SamplingBatch
-from runtime.scheduler import PENDING_TOKEN, SchedulerOutput
+from compile_engine.compiler.cuda_graphs import CUDAGraphRunner
+from compile_engine.kernels_generated.device import env_switch
+from compile_engine.models.layers import AttentionMetadata
+from compile_engine.models.loader import LoadedModel
+from compile_engine.runtime.sampler import Sampler, SamplingBatch
+from compile_engine.runtime.scheduler import PENDING_TOKEN, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

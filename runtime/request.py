@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

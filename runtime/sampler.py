@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -187,7 +187,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     (kernels_generated/argmax.py): torch's reduction gives a row to one thread block, 36 us
     for a batch-1 row of Llama-3's 128k vocabulary on the H200."""
     if logits.is_cuda:
-        from kernels_generated.argmax import MAX_VOCAB, argmax_triton
+        from compile_engine.kernels_generated.argmax import MAX_VOCAB, argmax_triton
 
         if logits.shape[-1] <= MAX_VOCAB:
             return argmax_triton(logits)

@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request, RequestStatus
+from compile_engine.runtime.kv_cache_manager import KVCacheManager
+from compile_engine.runtime.request import Request, RequestStatus
 
 # The id of a token sampled by a step still in flight; the runner reads its value on the device.
 PENDING_TOKEN = -1

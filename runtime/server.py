@@ -30,11 +30,11 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from runtime.async_engine import AsyncLLM, EngineDead, EngineError
-from runtime.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
-from runtime.metrics import CONTENT_TYPE
-from runtime.model_runner import TokenLogprobs
-from runtime.protocol import (
+from compile_engine.runtime.async_engine import AsyncLLM, EngineDead, EngineError
+from compile_engine.runtime.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from compile_engine.runtime.metrics import CONTENT_TYPE
+from compile_engine.runtime.model_runner import TokenLogprobs
+from compile_engine.runtime.protocol import (
     MAX_PROMPTS,
     APIError,
     ChatCompletionRequest,
@@ -44,8 +44,8 @@ from runtime.protocol import (
     refuse_unsupported,
     validation_error,
 )
-from runtime.sampling_params import InvalidSamplingParams, SamplingParams
-from runtime.scheduler import QueueFull, RequestTooLong
+from compile_engine.runtime.sampling_params import InvalidSamplingParams, SamplingParams
+from compile_engine.runtime.scheduler import QueueFull, RequestTooLong
 
 log = logging.getLogger(__name__)
 
@@ -817,7 +817,7 @@ async def serve(
 
 def main(args: argparse.Namespace) -> int:
     """`compile-engine serve`: load the engine, serve until SIGTERM, return the exit code."""
-    from runtime.cli import engine_kwargs
+    from compile_engine.runtime.engine_args import engine_kwargs
 
     engine = LLMEngine(
         EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))

@@ -70,7 +70,7 @@ def smollm2_hf():
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """Our engine on SmolLM2 (float32, CPU), shared by the runtime and server tests."""
-    from runtime import LLM
+    from compile_engine import LLM
 
     smollm2_directory()
     return LLM("smollm2-135m", dtype="float32", target="cpu", num_kv_blocks=512, enforce_eager=True)

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from runtime import SamplingParams
+from compile_engine import SamplingParams
 
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

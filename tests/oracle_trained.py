@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from paged_harness import PagedHarness, run_schedule
 
 GGUF_ENV = "COMPILE_ENGINE_SMOLLM2_GGUF"

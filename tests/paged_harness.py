@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from models.layers import AttentionMetadata
+from compile_engine.models.layers import AttentionMetadata
 
 
 class PagedHarness:

@@ -49,7 +49,7 @@ first weight tile in registers across the attention or pipelining the weight loo
 pressure): the weight cannot start streaming into the SMs before the attention is done, and
 staging 32 MiB of it in L2 meanwhile loses, as the prefetch rows above do. On the
 device, after decode_bench.sh's wheel install line (carry [".whl"]):
-    PYTHONPATH=$PWD:/tmp/site python3 scripts/device/attention_probe.py [--out probe.json]
+    python3 scripts/device/attention_probe.py [--out probe.json]
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ import statistics
 
 import torch
 
-import kernels_generated.paged_attention as pa
-from benchmarks.gemm import graph_time_us
-from kernels_generated import skinny_gemm as sg
-from kernels_generated.device import (
+import compile_engine.kernels_generated.paged_attention as pa
+from compile_engine.benchmarks.gemm import graph_time_us
+from compile_engine.kernels_generated import skinny_gemm as sg
+from compile_engine.kernels_generated.device import (
     PDL_ATTENTION_TRIGGER_ENV,
     PDL_ENV,
     PDL_PREFETCH_ENV,

@@ -9,11 +9,11 @@
 # e3edd31: 3.4 minutes up to the throughput run, the breakdown about 30 s more). Latency takes
 # bench's default of 3 measured runs since 2026-11-30 (2 before): at 2bf3115 one of two batch-256
 # runs stalled once for ~1 s and the median of two is their mean.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
+source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 mkdir -p $OUT/r
 T0=$(date +%s)
-[ -d /tmp/l3 ] || (python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda 2>&1 | tail -1) &
+[ -d /tmp/l3 ] || (python3 -m compile_engine.benchmarks make-model llama3-8b --out /tmp/l3 --device cuda 2>&1 | tail -1) &
 timeout 90 python3 -m pytest tests/kernels/test_paged_attention.py tests/kernels/test_skinny_gemm.py \
   tests/kernels/test_argmax.py -m gpu -q -p no:cacheprovider 2>&1 | tee $OUT/tests-kernels.log | tail -2
 echo "== kernel tests at $(( $(date +%s) - T0 )) s"
@@ -22,11 +22,11 @@ timeout 150 python3 -m pytest tests/gpu/test_h100.py tests/passes/test_skinny_ge
 echo "== h100 tests at $(( $(date +%s) - T0 )) s"
 wait
 L3="--model /tmp/l3 --target h100 --dtype bfloat16 --results-dir $OUT/r"
-timeout 300 python3 -m benchmarks latency $L3 --batch-sizes 1,64,256 --hf-reference 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -6
+timeout 300 python3 -m compile_engine.benchmarks latency $L3 --batch-sizes 1,64,256 --hf-reference 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -6
 echo "== latency at $(( $(date +%s) - T0 )) s"
-timeout 200 python3 -m benchmarks throughput $L3 2>&1 | tee $OUT/throughput.log | grep -v Warn | tail -4
+timeout 200 python3 -m compile_engine.benchmarks throughput $L3 2>&1 | tee $OUT/throughput.log | grep -v Warn | tail -4
 echo "== throughput at $(( $(date +%s) - T0 )) s"
-timeout 150 python3 -m benchmarks breakdown $L3 --batch-sizes 1,64,256 --kernels 2>&1 | tee $OUT/breakdown.log | grep -E "^batch|device kernels|^    [A-Za-z]" | head -30
+timeout 150 python3 -m compile_engine.benchmarks breakdown $L3 --batch-sizes 1,64,256 --kernels 2>&1 | tee $OUT/breakdown.log | grep -E "^batch|device kernels|^    [A-Za-z]" | head -30
 echo "== breakdown at $(( $(date +%s) - T0 )) s"
 # A device call returns at most 8 files: the logs go back as one archive beside the JSON.
 tar czf $OUT/logs.tgz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log

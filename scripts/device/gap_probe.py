@@ -8,13 +8,13 @@ iteration and the largest gaps by the kernels around them. Run at 56664d2 on the
 400 graph kernels (elementwise -> elementwise: their boundaries and the graph's start, not told
 apart here), 15.1 / 17.8 us between the 11 copies (docs/compiler.md, item 9 of the dropped
 list). On the device, after decode_bench.sh's wheel install line (carry [".whl"]):
-    PYTHONPATH=$PWD:/tmp/site python3 scripts/device/gap_probe.py
+    python3 scripts/device/gap_probe.py
 """
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.breakdown import critical_path, is_device_event
+from compile_engine.benchmarks.breakdown import critical_path, is_device_event
 
 dev = "cuda"
 host = [torch.arange(64 * (i + 1), dtype=torch.int32) for i in range(11)]

@@ -13,12 +13,12 @@ set -u
 commit=$1 batches=$2 rounds=$3
 shift 3
 variants=("$@")
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
+source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$commit
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/l3}
 T0=$(date +%s)
-[ -e "$MODEL" ] || timeout 300 python3 -m benchmarks make-model llama3-8b --out "$MODEL" --device cuda > /tmp/ab-make-model.log 2>&1
+[ -e "$MODEL" ] || timeout 300 python3 -m compile_engine.benchmarks make-model llama3-8b --out "$MODEL" --device cuda > /tmp/ab-make-model.log 2>&1
 later=${LATER_SIZES:-${batches##*,}}
 source scripts/device/ab.sh
 run() {  # run <label> <round> <variant>
@@ -27,7 +27,7 @@ run() {  # run <label> <round> <variant>
   local sizes=$batches; [ "$round" -gt 1 ] && sizes=$later
   local dir="$OUT/$label/r$round" log="/tmp/ab-logs/$label-r$round.log"
   mkdir -p "$dir" /tmp/ab-logs
-  env "${ENVS[@]}" timeout 200 python3 -m benchmarks latency --model "$MODEL" --target h100 \
+  env "${ENVS[@]}" timeout 200 python3 -m compile_engine.benchmarks latency --model "$MODEL" --target h100 \
     --dtype bfloat16 --batch-sizes "$sizes" --num-iters 2 --results-dir "$dir" "${ARGS[@]}" \
     > "$log" 2>&1
   echo "$label round $round ($3): $(grep -E '^ +[0-9]+ ' "$log" \

@@ -8,8 +8,8 @@
 # in carry). Output: $OUT/oracle_trained.log and $OUT/oracle_trained.json.
 set -uo pipefail
 phase=${1:?usage: oracle_gpu.sh 1|2}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$PWD:/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+source scripts/device/env.sh
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 part_a=/tmp/smollm2.part_a
 if [ "$phase" = 1 ]; then
     [ -f .gguf_a/part ] || { echo "no .gguf_a/part: carry .gguf_a"; exit 1; }

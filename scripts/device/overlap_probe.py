@@ -16,7 +16,7 @@ the H200: engine now 20.58 ms, nano 22.26 (+8.2%), nano with 8 / 16 / 32 / 48 SM
 23.09 / 22.94 / 22.86 / 23.08; alone, P 9.82, D 6.08, P+D 15.12, attention 5.38. Nano-batching
 loses here (docs/compiler.md section 6). On the device, after decode_bench.sh's wheel install
 line (carry [".whl"]):
-    PYTHONPATH=$PWD:/tmp/site python3 scripts/device/overlap_probe.py
+    python3 scripts/device/overlap_probe.py
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_generated import paged_attention as pa
+from compile_engine.kernels_generated import paged_attention as pa
 
 DEV, DT, LAYERS = "cuda", torch.bfloat16, 32
 HIDDEN, INTER, QKV = 4096, 14336, 6144

@@ -27,10 +27,10 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-import kernels_generated.paged_attention as pa  # noqa: E402
-from benchmarks.results import write_result  # noqa: E402
-from kernels_generated.counters import ALLOCATED  # noqa: E402
-from models.ops import paged_attention_ref  # noqa: E402
+import compile_engine.kernels_generated.paged_attention as pa  # noqa: E402
+from compile_engine.benchmarks.results import write_result  # noqa: E402
+from compile_engine.kernels_generated.counters import ALLOCATED  # noqa: E402
+from compile_engine.models.ops import paged_attention_ref  # noqa: E402
 
 LLAMA8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 WIDTH = 1024  # block-table columns: a 16k-token model

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
-import kernels_generated.paged_attention as pa  # noqa: E402
+import compile_engine.kernels_generated.paged_attention as pa  # noqa: E402
 
 LLAMA8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 

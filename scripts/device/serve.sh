@@ -5,7 +5,7 @@
 #   bash scripts/device/serve.sh <commit>          (MODEL=/path overrides /tmp/l3: a model or artifact;
 #   SERVE_ARGS adds bench serve / engine flags, e.g. "--passes=-add_rms_norm_into_gemm")
 # Everything lands in $OUT: r/*.json, serve.log (the table), server.log, make-model.log.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
+source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/l3}
@@ -16,7 +16,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( ${SERVE_BUDGET_S:-560} - $(elapsed) )); }
 
 if [ ! -e "$MODEL" ]; then
-  timeout 300 python3 -m benchmarks make-model llama3-8b --out "$MODEL" --device cuda \
+  timeout 300 python3 -m compile_engine.benchmarks make-model llama3-8b --out "$MODEL" --device cuda \
     > "$OUT/make-model.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then
@@ -34,7 +34,7 @@ print('== tokenizer:', add(sys.argv[1]) or 'already present')" "$MODEL" 2>&1 | t
 
 # SIGTERM on timeout reaches the benchmark (which stops its server) and the server itself
 # (same process group; it finishes in-flight requests for up to 10 s); KILL 50 s later.
-timeout -k 50 "$(left)" python3 -m benchmarks serve --launch --model "$MODEL" \
+timeout -k 50 "$(left)" python3 -m compile_engine.benchmarks serve --launch --model "$MODEL" \
   --target h100 --dtype bfloat16 --dataset random --input-len 512 --output-len 256 \
   --num-prompts ${NUM_PROMPTS:-1536} --max-concurrency 256 --num-warmup 32 --ready-timeout 300 \
   --request-timeout 300 --goodput ttft:2000 tpot:100 \

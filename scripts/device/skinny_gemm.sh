@@ -6,16 +6,16 @@
 #   device call: carry [".whl"], command `bash scripts/device/skinny_gemm.sh <commit>`, about
 #   5 minutes. Results in $OUT: gemm-*.json, skinny_gemm.json (copy to
 #   kernels_generated/configs/), r/latency-skinny-gemm-*.json, logs.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
+source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 mkdir -p $OUT/r
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 # Drawn on the GPU a shard at a time (milliseconds), written from the CPU: it does not touch
 # the sweep's CUDA-graph timings beyond a few samples that the medians drop.
-[ -d /tmp/l3 ] || (python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda > $OUT/make-model.log 2>&1) &
+[ -d /tmp/l3 ] || (python3 -m compile_engine.benchmarks make-model llama3-8b --out /tmp/l3 --device cuda > $OUT/make-model.log 2>&1) &
 cp kernels_generated/configs/skinny_gemm.json $OUT/skinny_gemm.json
-timeout 170 python3 -m benchmarks gemm --out $OUT --budget-s ${SWEEP_BUDGET_S:-95} \
+timeout 170 python3 -m compile_engine.benchmarks gemm --out $OUT --budget-s ${SWEEP_BUDGET_S:-95} \
   --write-configs $OUT/skinny_gemm.json > $OUT/gemm.log 2>&1
 grep -A60 "^shape" $OUT/gemm.log | grep -v "^ *$"
 cp $OUT/skinny_gemm.json kernels_generated/configs/skinny_gemm.json
@@ -25,6 +25,6 @@ echo "== gpu tests at $(elapsed) s"
 wait
 echo "== model at $(elapsed) s: $(tail -1 $OUT/make-model.log 2>/dev/null)"
 L3="--model /tmp/l3 --target h100 --dtype bfloat16 --results-dir $OUT/r --batch-sizes 1,64,256 --num-iters 2"
-timeout $(( 318 - $(elapsed) )) python3 -m benchmarks latency $L3 --passes +skinny_gemm \
+timeout $(( 318 - $(elapsed) )) python3 -m compile_engine.benchmarks latency $L3 --passes +skinny_gemm \
   --name latency-skinny-gemm 2>&1 | tee $OUT/latency.log | grep -v Warn | tail -8
 echo "== latency at $(elapsed) s"

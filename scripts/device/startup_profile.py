@@ -19,10 +19,10 @@ def main(artifact: str, out: str | None) -> None:
     prof = cProfile.Profile() if out else None
     if prof:
         prof.enable()
-    from runtime import bytecode_cache
+    from compile_engine.runtime import bytecode_cache
 
     bytecode_cache.enable()
-    from runtime import LLM
+    from compile_engine.runtime.llm import LLM
 
     llm = LLM(artifact)
     if prof:

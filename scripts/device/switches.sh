@@ -14,12 +14,12 @@
 set -u
 commit=$1
 shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
+source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$commit
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs"
 T0=$(date +%s)
-[ -d /tmp/l3 ] || (python3 -m benchmarks make-model llama3-8b --out /tmp/l3 --device cuda > /tmp/make-model.log 2>&1) &
+[ -d /tmp/l3 ] || (python3 -m compile_engine.benchmarks make-model llama3-8b --out /tmp/l3 --device cuda > /tmp/make-model.log 2>&1) &
 settings=()
 for variant in "$@"; do
   for word in $variant; do settings+=("$word"); done

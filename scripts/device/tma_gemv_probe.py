@@ -8,7 +8,7 @@ launch (`skinny_gemm.linear`) and cuBLAS, at M = 1 for the four Llama-3-8B layer
 `bench gemm`'s timing (CUDA-graph replay over weight copies that stream from HBM). PDL is off
 for every variant (COMPILE_ENGINE_PDL=0 is set here): this compares raw streaming.
 
-    PYTHONPATH=$PWD:/tmp/site python3 scripts/device/tma_gemv_probe.py
+    python3 scripts/device/tma_gemv_probe.py
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from benchmarks.gemm import SHAPES, _weights, graph_time_us  # noqa: E402
-from kernels_generated import skinny_gemm  # noqa: E402
+from compile_engine.benchmarks.gemm import SHAPES, _weights, graph_time_us  # noqa: E402
+from compile_engine.kernels_generated import skinny_gemm  # noqa: E402
 
 
 @triton.jit

@@ -13,8 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import breakdown, cli, kv_waste, latency, make_model, render, throughput
-from benchmarks.results import FLAT_KEYS, device_slug, environment_settings, write_result
+from compile_engine.benchmarks import (
+    breakdown,
+    cli,
+    kv_waste,
+    latency,
+    make_model,
+    render,
+    throughput,
+)
+from compile_engine.benchmarks.results import (
+    FLAT_KEYS,
+    device_slug,
+    environment_settings,
+    write_result,
+)
 
 RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
 
@@ -136,7 +149,7 @@ def test_throughput_end_to_end(tiny_model, tmp_path):
 
 def test_throughput_uses_the_offline_token_budget(tiny_model, tmp_path):
     # bench throughput measures LLM.generate as a user runs it: with LLM's own default budget.
-    from runtime.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from compile_engine.runtime.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     args = throughput.build_parser().parse_args(["--model", str(tiny_model)])
     assert args.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
@@ -307,7 +320,7 @@ def test_kv_waste_within_one_partial_block(tiny_model, tmp_path):
 
 
 def test_kv_waste_refuses_prefix_caching(tiny_model):
-    from runtime import LLM
+    from compile_engine import LLM
 
     llm = LLM(str(tiny_model), target="cpu", num_kv_blocks=16, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="prefix caching off"):

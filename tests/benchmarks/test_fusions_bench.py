@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import fusions, render
+from compile_engine.benchmarks import fusions, render
 
 
 def _row(op: str, num_tokens: int, inductor_us: float, **kernels: float) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from benchmarks import gemm
-from kernels_generated.skinny_gemm import LaunchConfig
+from compile_engine.benchmarks import gemm
+from compile_engine.kernels_generated.skinny_gemm import LaunchConfig
 
 PARAMS = {f.name for f in fields(LaunchConfig)}
 
@@ -24,7 +24,7 @@ def test_every_candidate_is_a_valid_call():
 
 
 def test_render_shows_cublas_against_the_best_triton_and_ragged_configs():
-    from benchmarks import render
+    from compile_engine.benchmarks import render
 
     cell = {"shape": "o_proj", "M": 1, "variants": {
         "cublas": {"us": 13.5},
@@ -39,7 +39,7 @@ def test_render_shows_cublas_against_the_best_triton_and_ragged_configs():
 
 
 def test_render_shows_the_decode_attention_sweep():
-    from benchmarks import render
+    from compile_engine.benchmarks import render
 
     rows = [{"name": "table", "bs256_c100": 38.36, "bs1_c32k": 50.67},
             {"name": "32/2/2/128", "bs256_c100": 37.89, "bs1_c32k": None}]  # fmt: skip
@@ -49,7 +49,7 @@ def test_render_shows_the_decode_attention_sweep():
 
 
 def test_fused_norm_sweep_tries_valid_calls_without_split():
-    from benchmarks import gemm_norm
+    from compile_engine.benchmarks import gemm_norm
 
     for gated in (False, True):
         configs = gemm_norm.candidates(gated)
@@ -60,9 +60,9 @@ def test_fused_norm_sweep_tries_valid_calls_without_split():
 def test_fused_norm_records_go_where_the_fused_launch_won(tmp_path):
     import json
 
-    from benchmarks import gemm_norm
-    from kernels_generated import skinny_gemm as k
-    from kernels_generated.configs import ConfigTable
+    from compile_engine.benchmarks import gemm_norm
+    from compile_engine.kernels_generated import skinny_gemm as k
+    from compile_engine.kernels_generated.configs import ConfigTable
 
     # The shipped table without its fused records.
     shipped = json.loads((k.CONFIG_DIR / "skinny_gemm.json").read_text())
@@ -106,7 +106,7 @@ def test_a_sweep_rewrites_only_its_cells_keeping_fused_records_and_a_b_choices(t
     # only the sweep's best config for that kernel.
     import json
 
-    from kernels_generated import skinny_gemm as k
+    from compile_engine.kernels_generated import skinny_gemm as k
 
     shipped = json.loads((k.CONFIG_DIR / "skinny_gemm.json").read_text())
     path = tmp_path / "skinny_gemm.json"
@@ -146,7 +146,7 @@ def test_a_sweep_rewrites_only_its_cells_keeping_fused_records_and_a_b_choices(t
 
 
 def test_render_shows_the_unfused_chain_against_the_best_fused_launch():
-    from benchmarks import render
+    from compile_engine.benchmarks import render
 
     cell = {
         "shape": "gate_up",

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import latency, render
-from models.loader import ModelSource
+from compile_engine.benchmarks import latency, render
+from compile_engine.models.loader import ModelSource
 from tests.tiny_models import make_tiny_model
 
 EOS = 2  # tests/tiny_models.py
@@ -74,7 +74,7 @@ def test_latency_main_records_hf_reference(tiny_llama, tmp_path):
 def test_hf_generate_decodes_exactly_the_tokens_our_engine_does(tiny_llama):
     """The reference must run the same model on the same prompts: its greedy tokens match our
     engine's in float32, and every row gets exactly output_len tokens."""
-    from runtime import LLM, SamplingParams
+    from compile_engine import LLM, SamplingParams
 
     output_len, batch = 6, 3
     (prompts,) = latency.latency_prompts([batch], 5, 96, num_runs=1, seed=0)[batch]

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from benchmarks import offline_floor, render
-from benchmarks.offline_floor import Workload, floor_seconds, spread_contexts
+from compile_engine.benchmarks import offline_floor, render
+from compile_engine.benchmarks.offline_floor import Workload, floor_seconds, spread_contexts
 
 
 def test_workload_counts_what_any_schedule_computes():

@@ -10,10 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import make_tiny_model
 
-from benchmarks import cli, render, serve
-from benchmarks.serve import RequestResult, RequestSpec, ServeBenchError, compute_metrics
+from compile_engine.benchmarks import cli, render, serve
+from compile_engine.benchmarks.serve import (
+    RequestResult,
+    RequestSpec,
+    ServeBenchError,
+    compute_metrics,
+)
+
+from tiny_models import make_tiny_model
 
 VOCAB = 96  # tests/tiny_models.py
 
@@ -191,7 +197,7 @@ def test_serve_command_passes_the_engine_flags():
     )
     args.max_waiting = 2000
     command = serve.serve_command(args, 1234)
-    assert command[1:5] == ["-m", "runtime.cli", "serve", "/m"]
+    assert command[1:5] == ["-m", "compile_engine.cli", "serve", "/m"]
     pairs = {a: b for a, b in zip(command, command[1:], strict=False) if a.startswith("--")}
     assert pairs["--port"] == "1234" and pairs["--max-waiting"] == "2000"
     assert pairs["--target"] == "h100" and pairs["--dtype"] == "bfloat16"
@@ -199,6 +205,6 @@ def test_serve_command_passes_the_engine_flags():
     assert "--no-cuda-graphs" in command and "--enforce-eager" not in command
     assert "--max-model-len" not in command  # unset flags keep the server's defaults
     # Every flag given is one `compile-engine serve` accepts.
-    from runtime.cli import build_parser
+    from compile_engine.cli import build_parser
 
     build_parser().parse_args(["serve", *command[4:]])

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import make_model, startup
+from compile_engine.benchmarks import make_model, startup
 
 RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from benchmarks import cli, targets
+from compile_engine.benchmarks import cli, targets
 
 H200 = {"type": "cuda", "name": "NVIDIA H200"}
 LLAMA3_8B = {

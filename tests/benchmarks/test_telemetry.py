@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import render
-from benchmarks.telemetry import GpuSampler, summarize
+from compile_engine.benchmarks import render
+from compile_engine.benchmarks.telemetry import GpuSampler, summarize
 
 # Rows as the H200 printed them through a batch-256 decode run (clocks.sm, power.draw,
 # clocks_throttle_reasons.active), with an idle row and two unreadable ones.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compiler.cuda_graphs import MAX_GRAPH_TOKENS, default_capture_sizes
+from compile_engine.compiler.cuda_graphs import MAX_GRAPH_TOKENS, default_capture_sizes
 
 UP_TO_512 = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
              288, 320, 352, 384, 416, 448, 480, 512]  # fmt: skip

@@ -14,11 +14,12 @@ import sys
 
 import pytest
 import torch
+
+from compile_engine.compiler.artifact import ArtifactError, Manifest
+from compile_engine import LLM, SamplingParams
+
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from tiny_models import TINY_ARCHS, make_tiny_model
-
-from compiler.artifact import ArtifactError, Manifest
-from runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +100,7 @@ LOAD_SCRIPT = """
 import json, logging, sys, time
 t0 = time.perf_counter()
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-from runtime import LLM, SamplingParams
+from compile_engine import LLM, SamplingParams
 llm = LLM(sys.argv[1])
 ready = time.perf_counter() - t0
 transformers_imported = "transformers" in sys.modules
@@ -129,7 +130,7 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "compile_engine.cli",
             "build",
             str(model_dir),
             "--target",
@@ -187,7 +188,7 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
     assert want == [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
 
     # Inspect reads it back.
-    inspect = _run([sys.executable, "-m", "runtime.cli", "inspect", str(artifact), "--json"])
+    inspect = _run([sys.executable, "-m", "compile_engine.cli", "inspect", str(artifact), "--json"])
     assert inspect.returncode == 0
     assert json.loads(inspect.stdout)["cache_key"] == manifest.cache_key
 
@@ -205,7 +206,7 @@ def test_stale_or_foreign_artifact_is_refused(tmp_path, field, value, message):
     model_dir = tmp_path / "model"
     make_tiny_model("llama", model_dir)
     artifact = tmp_path / "artifact"
-    from compiler.build import build_artifact
+    from compile_engine.compiler.build import build_artifact
 
     build_artifact(str(model_dir), artifact, target="cpu", dtype="float32")
     data = json.loads((artifact / "manifest.json").read_text())
@@ -218,7 +219,7 @@ def test_stale_or_foreign_artifact_is_refused(tmp_path, field, value, message):
 
 
 def test_passes_cli_lists_the_registry():
-    out = _run([sys.executable, "-m", "runtime.cli", "passes", "--json"])
+    out = _run([sys.executable, "-m", "compile_engine.cli", "passes", "--json"])
     assert out.returncode == 0
     names = {row["name"]: row for row in json.loads(out.stdout)}
     assert "lower_to_reference" in names
@@ -231,7 +232,7 @@ def test_unknown_pass_is_a_clear_error(tmp_path):
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "compile_engine.cli",
             "build",
             str(tmp_path),
             "--passes",

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch._inductor.config as inductor_config
 
-from compiler.config import (
+from compile_engine.compiler.config import (
     INDUCTOR_PDL_ENV,
     CompileConfig,
     CompileConfigError,
@@ -67,7 +67,7 @@ def test_an_artifact_built_with_the_other_inductor_pdl_setting_is_refused(tmp_pa
     # the variable to set.
     from dataclasses import replace
 
-    from compiler.artifact import (
+    from compile_engine.compiler.artifact import (
         ArtifactError,
         Manifest,
         code_hash,

@@ -11,11 +11,12 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
+import compile_engine.compiler.compiled_model as compiled_model
+from compile_engine import LLM
+
 from oracle import GREEDY, NEW_TOKENS, hf_greedy
 from tiny_models import make_tiny_model
-
-import compiler.compiled_model as compiled_model
-from runtime import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from oracle import GREEDY, NEW_TOKENS, hf_greedy
 
-from compiler import backend
-from runtime import LLM
+from compile_engine.compiler import backend
+from compile_engine import LLM
+
+from oracle import GREEDY, NEW_TOKENS, hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_harness import PagedHarness, run_schedule
-from tiny_models import make_tiny_model
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compiler.compiled_model import CompiledForward
-from compiler.config import CompileConfig
-from compiler.inductor_passes import UNFUSE_RESIDUAL_ADDMM, UnfuseResidualAddmm
-from models.loader import load_model
+from compile_engine.compiler.compiled_model import CompiledForward
+from compile_engine.compiler.config import CompileConfig
+from compile_engine.compiler.inductor_passes import UNFUSE_RESIDUAL_ADDMM, UnfuseResidualAddmm
+from compile_engine.models.loader import load_model
+
+from paged_harness import PagedHarness, run_schedule
+from tiny_models import make_tiny_model
 
 aten = torch.ops.aten
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.cuda_graphs import CUDAGraphRunner, short_table_widths
-from kernels_generated import paged_attention as pa
-from kernels_generated.device import CPU_SM_COUNT
-from models.layers import AttentionMetadata
+from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, short_table_widths
+from compile_engine.kernels_generated import paged_attention as pa
+from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.models.layers import AttentionMetadata
 
 CPU = torch.device("cpu")
 SIZES = [1, 2, 4, 8, 16]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_harness import PagedHarness, run_schedule
 
 pytestmark = [
@@ -16,7 +17,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def llama8b_4layers(tmp_path_factory):
-    from benchmarks.make_model import make_model
+    from compile_engine.benchmarks.make_model import make_model
 
     return make_model("llama3-8b", tmp_path_factory.mktemp("l3"), device="cuda", layers=4)
 
@@ -25,7 +26,7 @@ def llama8b_4layers(tmp_path_factory):
 def llm_4layers(llama8b_4layers):
     """An engine on the 4-layer model with CUDA graphs, shared by the tests that only read it
     (one start, not one a test)."""
-    from runtime import LLM
+    from compile_engine import LLM
 
     return LLM(
         str(llama8b_4layers),
@@ -49,9 +50,9 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
     must be no further from float32 than HF's bf16 is."""
     import transformers
 
-    from compiler.compiled_model import CompiledForward
-    from compiler.config import CompileConfig
-    from models.loader import load_model
+    from compile_engine.compiler.compiled_model import CompiledForward
+    from compile_engine.compiler.config import CompileConfig
+    from compile_engine.models.loader import load_model
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128256, (512,), generator=gen).tolist()
@@ -111,7 +112,7 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
     ],
 )
 def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, new, graph):
-    from models.layers import AttentionMetadata
+    from compile_engine.models.layers import AttentionMetadata
 
     runner = llm_4layers.engine.runner
     graph_size = graph[0]
@@ -158,7 +159,7 @@ def test_engine_reads_every_weight_while_it_compiles(llama8b_4layers, llm_4layer
     """The engine allocates and reads the weights on a thread (their copies on a stream of
     their own) while it traces and compiles: once ready, every parameter must hold exactly
     what a plain load_model reads with nothing else running."""
-    from models.loader import load_model
+    from compile_engine.models.loader import load_model
 
     llm = llm_4layers
     assert llm.engine.weights_read_s > 0 and "weights_wait_s" in llm.engine.timings

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+
 from oracle_trained import (
     check,
     compare,
@@ -36,8 +37,8 @@ pytestmark = [
 def test_compiled_bf16_agrees_with_hf_bf16_on_smollm2(tmp_path):
     import transformers
 
-    from models.loader import export_hf_checkpoint, load_model
-    from runtime import LLM
+    from compile_engine.models.loader import export_hf_checkpoint, load_model
+    from compile_engine import LLM
 
     gguf = smollm2_gguf()
     llm = LLM(str(gguf), target="h100", dtype="bfloat16", num_kv_blocks=256, max_model_len=2048)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_generated import add_rms_norm as k
-from kernels_generated.configs import ConfigTable
-from models.ops import add_rms_norm_ref, rms_norm_ref
+from compile_engine.kernels_generated import add_rms_norm as k
+from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.models.ops import add_rms_norm_ref, rms_norm_ref
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(

@@ -10,10 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_generated import mla_attention as mk
-from kernels_generated.device import CPU_SM_COUNT
-from models.mla import mla_attention_absorbed, mla_attention_ref, mla_latent_attention_ref
-from passes.testing import run_interpreted
+from compile_engine.kernels_generated import mla_attention as mk
+from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.models.mla import (
+    mla_attention_absorbed,
+    mla_attention_ref,
+    mla_latent_attention_ref,
+)
+from compile_engine.passes.testing import run_interpreted
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_generated import moe_grouped_gemm as mk
-from models.moe import align_capacity, moe_align_ref
-from passes.testing import run_interpreted
+from compile_engine.kernels_generated import moe_grouped_gemm as mk
+from compile_engine.models.moe import align_capacity, moe_align_ref
+from compile_engine.passes.testing import run_interpreted
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(
@@ -97,7 +97,7 @@ def test_config_table_picks_nearest_entry():
 
 
 def test_benchmark_report_and_active_expert_count():
-    from benchmarks import moe as bench_moe
+    from compile_engine.benchmarks import moe as bench_moe
 
     assert bench_moe.expected_busy_experts(128, 8, 1) == pytest.approx(8)
     assert 120 < bench_moe.expected_busy_experts(128, 8, 64) < 128

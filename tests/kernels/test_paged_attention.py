@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels_generated import paged_attention as pa
-from kernels_generated.counters import ALLOCATED
-from kernels_generated.device import CPU_SM_COUNT
-from models.ops import paged_attention_ref
+from compile_engine.kernels_generated import paged_attention as pa
+from compile_engine.kernels_generated.counters import ALLOCATED
+from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

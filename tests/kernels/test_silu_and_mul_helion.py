@@ -13,14 +13,19 @@ import logging
 import pytest
 import torch
 
-from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs, bucket_tokens
-from models.ops import silu_and_mul_ref
-from passes.testing import run_interpreted
+from compile_engine.kernels_generated.configs import (
+    ConfigEntry,
+    ConfigTable,
+    TargetConfigs,
+    bucket_tokens,
+)
+from compile_engine.models.ops import silu_and_mul_ref
+from compile_engine.passes.testing import run_interpreted
 
 pytest.importorskip("helion", reason="helion is not installed (pip install helion==1.4.0)")
 import helion  # noqa: E402
 
-from kernels_generated import silu_and_mul_helion as k  # noqa: E402
+from compile_engine.kernels_generated import silu_and_mul_helion as k  # noqa: E402
 
 INTERPRETED = k.interpreted()
 # CPU cases run in the HELION_INTERPRET=1 child; the parent deselects them (tests/conftest.py).
@@ -137,7 +142,7 @@ def test_shipped_configs_file():
 def test_missing_target_config_falls_back_and_logs_once(caplog):
     table = ConfigTable.load(k.CONFIG_FILE)
     table.targets.pop("cpu")
-    with caplog.at_level(logging.WARNING, logger="kernels_generated.configs"):
+    with caplog.at_level(logging.WARNING, logger="compile_engine.kernels_generated.configs"):
         for num_tokens in (1, 7, 300):
             assert table.lookup("cpu", k.shape_key(num_tokens, 1536)) == table.default
     lines = [r for r in caplog.records if "no tuned config" in r.getMessage()]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_generated import silu_and_mul as k
-from kernels_generated.configs import ConfigTable
-from models.ops import silu_and_mul_ref
+from compile_engine.kernels_generated import silu_and_mul as k
+from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.models.ops import silu_and_mul_ref
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(

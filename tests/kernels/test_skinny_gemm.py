@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels_generated import skinny_gemm as k
-from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+from compile_engine.kernels_generated import skinny_gemm as k
+from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(
@@ -227,7 +227,7 @@ def test_interpreted_fused_norm_squares_per_k_tile(request, monkeypatch, rows, k
     # COMPILE_ENGINE_NORM_DEFER_SUM=0: the one-pass fused norm sums its squares per K-tile, as
     # before the per-element sum became the default (which the test above covers), and gives
     # the reference's output and residual sum, uneven K included.
-    from kernels_generated.device import ab_switch
+    from compile_engine.kernels_generated.device import ab_switch
 
     monkeypatch.setenv(k.DEFER_SUM_ENV, "0")
     ab_switch.cache_clear()
@@ -398,7 +398,7 @@ def test_fake_gives_the_linear_shape():
 def test_cpu_kernel_cases_in_one_child():
     if k.INTERPRETED:
         pytest.skip("this is the child")
-    from passes.testing import run_interpreted
+    from compile_engine.passes.testing import run_interpreted
 
     passes = HERE.parent / "passes"
     pass_tests = [
@@ -549,7 +549,7 @@ def test_gpu_ragged_rows_match_cublas(n_size, k_size, per_sm):
 def pdl_env(monkeypatch):
     """Set a PDL environment setting; the settings are read once per process, so each change
     re-reads them, and so does the first read after the test (monkeypatch restores the rest)."""
-    from kernels_generated.device import pdl_settings
+    from compile_engine.kernels_generated.device import pdl_settings
 
     def set_env(name: str, value: str | None) -> None:
         if value is None:
@@ -584,8 +584,8 @@ def test_gpu_pdl_chain_gives_the_same_output(
     # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    import kernels_generated.paged_attention as pa
-    from kernels_generated.device import (
+    import compile_engine.kernels_generated.paged_attention as pa
+    from compile_engine.kernels_generated.device import (
         PDL_ATTENTION_TRIGGER_ENV,
         PDL_ENV,
         PDL_PREFETCH_ENV,
@@ -593,7 +593,7 @@ def test_gpu_pdl_chain_gives_the_same_output(
         PDL_TRIGGER_ENV,
         pdl_mode,
     )
-    from kernels_generated.silu_and_mul import silu_and_mul_triton
+    from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
 
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
     batch = pa.make_batch([1] * rows, [100] * rows, dtype=torch.bfloat16, device="cuda", **heads)
@@ -633,7 +633,7 @@ def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch, pdl_env):
     # With PDL on and a 36 MiB limit, o_proj's 34 MB weight is prefetched, QKV's 50 MB is not
     # (it would be read from HBM twice), nor an uneven K split or a float32 one; the limit is
     # an environment setting (MiB), 0, the default, prefetching nothing.
-    from kernels_generated.device import PDL_PREFETCH_ENV
+    from compile_engine.kernels_generated.device import PDL_PREFETCH_ENV
 
     monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
     pdl_env(PDL_PREFETCH_ENV, None)
@@ -663,7 +663,7 @@ def test_pdl_prefetch_constexpr_whole_slice_leading_tiles_or_none(monkeypatch, p
     # first COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of any weight (1 when unset), 0 when set
     # to 0; never for an uneven K split, float32, or without PDL; a count that is not a whole
     # number is an error.
-    from kernels_generated.device import PDL_PREFETCH_ENV, PDL_PREFETCH_TILES_ENV
+    from compile_engine.kernels_generated.device import PDL_PREFETCH_ENV, PDL_PREFETCH_TILES_ENV
 
     monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
     x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
@@ -695,7 +695,7 @@ def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
     # releasing the next kernel after the main loop; never on CPU or older GPUs;
     # COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1 makes it release the next
     # kernel at once and =0 when the kernel ends; any other setting is an error.
-    import kernels_generated.device as dev
+    import compile_engine.kernels_generated.device as dev
 
     for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV, dev.PDL_ATTENTION_TRIGGER_ENV):
         pdl_env(name, None)

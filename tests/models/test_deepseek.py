@@ -9,16 +9,17 @@ import random
 
 import pytest
 import torch
+
+from compile_engine.kernels_generated.mla_attention import make_batch
+from compile_engine.models import mla
+from compile_engine.models.deepseek import DeepseekConfig, softmax_scale
+from compile_engine.models.loader import load_model
+from compile_engine.models.moe import SparseMoE
+from compile_engine import LLM
+
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from paged_harness import PagedHarness, first_divergent_layer, run_schedule
 from tiny_deepseek import TINY_DEEPSEEK, make_tiny_deepseek
-
-from kernels_generated.mla_attention import make_batch
-from models import mla
-from models.deepseek import DeepseekConfig, softmax_scale
-from models.loader import load_model
-from models.moe import SparseMoE
-from runtime import LLM
 
 RTOL = 1e-4
 
@@ -218,7 +219,7 @@ def test_v3_skips_the_multi_token_prediction_layer_and_v2_refuses_it(tmp_path):
     and is ignored, as in transformers. The same extra tensor in a V2 checkpoint is an error."""
     from safetensors.torch import load_file, save_file
 
-    from models.errors import CheckpointError
+    from compile_engine.models.errors import CheckpointError
 
     for name in ("deepseek-v3", "deepseek-v2"):
         directory = tmp_path / name

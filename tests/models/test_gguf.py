@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from models import gguf as mg
+from compile_engine.models import gguf as mg
 
 HF_FIELDS = (
     "vocab_size",

@@ -8,10 +8,11 @@ import random
 
 import pytest
 import torch
+
+from compile_engine.models.loader import load_model
+
 from paged_harness import PagedHarness, first_divergent_layer, run_schedule
 from tiny_models import TINY_ARCHS, make_tiny_model
-
-from models.loader import load_model
 
 RTOL = 1e-4
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import TINY_ARCHS, make_tiny_model
 
-from models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
-from models.loader import load_model
-from models.registry import ARCHITECTURES
+from compile_engine.models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from compile_engine.models.loader import load_model
+from compile_engine.models.registry import ARCHITECTURES
+
+from tiny_models import TINY_ARCHS, make_tiny_model
 
 # Which checkpoint tensors the engine stacks into one parameter, in stacking order. Written
 # out here rather than read from the model so that a wrong table in the model fails the test.
@@ -329,9 +330,9 @@ def test_model_config_survives_the_artifact_round_trip(arch: str, make, tmp_path
     """An artifact stores the ModelConfig the build resolved through transformers and a load
     rebuilds it without transformers: it must come back equal, field by field and type by
     type (a tuple that came back a list, or a dtype a string, would change the model)."""
-    from models.config import config_from_dict, config_to_dict
-    from models.loader import read_hf_config
-    from models.registry import model_class
+    from compile_engine.models.config import config_from_dict, config_to_dict
+    from compile_engine.models.loader import read_hf_config
+    from compile_engine.models.registry import model_class
 
     make(arch, tmp_path)
     hf = read_hf_config(tmp_path)
@@ -343,7 +344,7 @@ def test_model_config_survives_the_artifact_round_trip(arch: str, make, tmp_path
     for field, value in zip(dataclasses.fields(config), dataclasses.astuple(back), strict=True):
         assert type(value) is type(getattr(config, field.name)), field.name
     # Built from either, the model has the same parameters and buffers.
-    from models.loader import open_model
+    from compile_engine.models.loader import open_model
 
     loaded, _ = open_model(tmp_path, dtype="float32", config=back)
     expected, _ = open_model(tmp_path, dtype="float32")
@@ -358,9 +359,9 @@ def test_model_config_survives_the_artifact_round_trip(arch: str, make, tmp_path
 
 
 def test_a_config_class_from_elsewhere_is_refused() -> None:
-    from models.config import config_from_dict
+    from compile_engine.models.config import config_from_dict
 
-    for name in ("os.PathLike", "models.loader.LoadedModel"):
+    for name in ("os.PathLike", "compile_engine.models.loader.LoadedModel"):
         with pytest.raises(ValueError, match="not a model config"):
             config_from_dict({"class": name, "fields": {}})
 
@@ -368,7 +369,7 @@ def test_a_config_class_from_elsewhere_is_refused() -> None:
 def test_a_failed_weight_read_on_its_thread_fails_the_engine_start(llama_copy: Path) -> None:
     """The engine reads weights on a thread while it starts; what the read raises must reach
     the caller as the same one-line error a plain load_model gives."""
-    from runtime import LLM
+    from compile_engine import LLM
 
     name = "model.layers.1.self_attn.k_proj.weight"
     edit_weights(llama_copy, lambda t: t.pop(name))

@@ -10,13 +10,14 @@ import random
 import pytest
 import torch
 import transformers
+
+from compile_engine.models.errors import CheckpointError, UnsupportedModelError
+from compile_engine.models.loader import load_model
+from compile_engine.models.moe import MoEConfig, SparseMoE, sparse_layer_indices
+
 from oracle import hf_greedy
 from paged_harness import PagedHarness, first_divergent_layer, run_schedule
 from tiny_moe import _COMMON, MOE_ARCHS, make_tiny_moe
-
-from models.errors import CheckpointError, UnsupportedModelError
-from models.loader import load_model
-from models.moe import MoEConfig, SparseMoE, sparse_layer_indices
 
 RTOL = 1e-4
 
@@ -127,7 +128,7 @@ def test_unsupported_settings_are_refused(tmp_path):
     config_cls, model_cls, overrides = MOE_ARCHS["mixtral"]
     hf = getattr(transformers, config_cls)(**{**_COMMON, **overrides, "sliding_window": 64})
     hf.architectures = [model_cls]
-    from models.registry import model_class
+    from compile_engine.models.registry import model_class
 
     with pytest.raises(UnsupportedModelError, match="sliding_window"):
         model_class([model_cls]).config_from_hf(hf)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from models import ops
-from models.moe import (
+from compile_engine.models import ops
+from compile_engine.models.moe import (
     align_capacity,
     moe_align,
     moe_combine,

@@ -22,8 +22,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from models import mla, moe, ops
-from models.rope import cos_sin_table
+from compile_engine.models import mla, moe, ops
+from compile_engine.models.rope import cos_sin_table
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.gguf import SMOLLM2_ALIAS, resolve_alias
-from models.tokenizer import load_tokenizer
+from compile_engine.models.gguf import SMOLLM2_ALIAS, resolve_alias
+from compile_engine.models.tokenizer import load_tokenizer
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -62,7 +62,7 @@ def test_saved_tokenizer_loads_through_its_recorded_class_exactly_as_autotokeniz
     calls that class directly (skipping AutoTokenizer's imports): the same tokenizer."""
     import transformers
 
-    from models.tokenizer import tokenizer_class_name
+    from compile_engine.models.tokenizer import tokenizer_class_name
 
     _saved_bpe_tokenizer(tmp_path)
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))

@@ -5,6 +5,9 @@ with transformers' own GGUF load as the oracle."""
 from __future__ import annotations
 
 import pytest
+
+from compile_engine import LLM
+
 from oracle_trained import (
     check,
     compare,
@@ -13,8 +16,6 @@ from oracle_trained import (
     hf_teacher_forced,
     trained_sequences,
 )
-
-from runtime import LLM
 
 
 @pytest.mark.slow

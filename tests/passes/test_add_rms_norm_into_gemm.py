@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from passes.base import PassContext
-from passes.registry import select
-from passes.testing import (
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.registry import select
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     count_matches,
@@ -62,8 +62,8 @@ def test_on_by_default_and_before_the_passes_it_would_race():
 
 @pytest.mark.interpreted_child("TRITON_INTERPRET")
 def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
-    from kernels_generated import skinny_gemm as k
-    from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+    from compile_engine.kernels_generated import skinny_gemm as k
+    from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
 
     def cfg(mode, block_m, split_k):
         return {"mode": mode, "block_m": block_m, "block_n": 32, "block_k": 32,

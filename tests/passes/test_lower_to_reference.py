@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import ops
-from passes.base import PassContext
-from passes.testing import (
+from compile_engine.models import ops
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,

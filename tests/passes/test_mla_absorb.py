@@ -11,12 +11,11 @@ import os
 
 import pytest
 import torch
-from tiny_deepseek import make_tiny_deepseek
 
-from compiler.backend import host_sync_ops, is_split_node, split_at_attention
-from passes.base import PassContext
-from passes.registry import select
-from passes.testing import (
+from compile_engine.compiler.backend import host_sync_ops, is_split_node, split_at_attention
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.registry import select
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,
@@ -24,6 +23,8 @@ from passes.testing import (
     run_interpreted,
     targets_of,
 )
+
+from tiny_deepseek import make_tiny_deepseek
 
 LAYERS = 3  # tests/tiny_deepseek
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_moe import make_tiny_moe
 
-from compiler.backend import host_sync_ops
-from passes.base import PassContext
-from passes.testing import (
+from compile_engine.compiler.backend import host_sync_ops
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,
@@ -17,6 +16,8 @@ from passes.testing import (
     run_interpreted,
     targets_of,
 )
+
+from tiny_moe import make_tiny_moe
 
 SPARSE_LAYERS = 2  # tiny qwen2_moe: layers 0 and 2 sparse, layer 1 dense (mlp_only_layers)
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
@@ -60,7 +61,7 @@ def test_numerics_unchanged_with_the_kernel(model_dir):
 
 
 def test_interpreter_cases_in_subprocess():
-    import kernels_generated.moe_grouped_gemm as mk
+    import compile_engine.kernels_generated.moe_grouped_gemm as mk
 
     if mk.INTERPRETED:
         pytest.skip("this session is interpreted already: the CPU cases ran in-process")

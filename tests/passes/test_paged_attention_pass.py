@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from compiler.backend import host_sync_ops
-from passes.base import PassContext
-from passes.testing import apply_pass, count_matches, targets_of
+from compile_engine.compiler.backend import host_sync_ops
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.testing import apply_pass, count_matches, targets_of
 
 LAYERS = 2  # tests/tiny_models
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.cli import main
+from compile_engine.cli import main
 
 FAMILIES = ("paged_attention", "rms_norm", "silu_and_mul", "rotary")
 

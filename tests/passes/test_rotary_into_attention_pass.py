@@ -13,10 +13,10 @@ import operator
 import pytest
 import torch
 
-from compiler.backend import is_split_node
-from passes.base import PassContext
-from passes.registry import select
-from passes.testing import (
+from compile_engine.compiler.backend import is_split_node
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.registry import select
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     copy_graph,
@@ -65,7 +65,7 @@ def test_does_not_apply_on_cpu(graph):
 def test_default_passes_leave_rotary_triton_nothing(graph):
     # The fused layers' rotary nodes are dead after the rewrite: rotary_triton, which runs
     # later, must not retarget (and count) them.
-    from passes.manager import PassManager
+    from compile_engine.passes.manager import PassManager
 
     manager = PassManager(select(None), PassContext("h100", torch.bfloat16))
     manager(copy_graph(graph).graph)

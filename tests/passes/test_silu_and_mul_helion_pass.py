@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from passes.base import PassContext
-from passes.registry import select
-from passes.testing import (
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.registry import select
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     count_matches,

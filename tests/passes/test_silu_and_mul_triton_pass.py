@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes.base import PassContext
-from passes.manager import PassManager
-from passes.registry import select
-from passes.testing import (
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.manager import PassManager
+from compile_engine.passes.registry import select
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     copy_graph,

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from passes.base import PassContext
-from passes.registry import select
-from passes.testing import (
+from compile_engine.passes.base import PassContext
+from compile_engine.passes.registry import select
+from compile_engine.passes.testing import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,
@@ -59,8 +59,8 @@ def test_on_by_default_and_removable():
 
 @pytest.mark.interpreted_child("TRITON_INTERPRET")
 def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
-    from kernels_generated import skinny_gemm as k
-    from kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+    from compile_engine.kernels_generated import skinny_gemm as k
+    from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
 
     def cfg(mode, block_m, split_k):
         return {"kernel": "triton", "mode": mode, "block_m": block_m, "block_n": 32,

@@ -12,12 +12,13 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
 
-from models.loader import load_model
-from runtime import activation_profile
-from runtime.activation_profile import CACHE_SUBDIR, activation_bytes
-from runtime.model_runner import default_num_blocks, kv_bytes_per_block
+from compile_engine.models.loader import load_model
+from compile_engine.runtime import activation_profile
+from compile_engine.runtime.activation_profile import CACHE_SUBDIR, activation_bytes
+from compile_engine.runtime.model_runner import default_num_blocks, kv_bytes_per_block
+
+from tiny_models import make_tiny_model
 
 GIB = 1 << 30
 
@@ -128,8 +129,8 @@ def test_an_unwritable_cache_still_measures(loaded, tmp_path):
 def test_the_build_stores_what_a_start_from_the_artifact_looks_up(loaded, tmp_path, monkeypatch):
     """`compile-engine build` measures the peaks (build_step) where and as a start from the
     artifact looks them up (the engine's arguments), so a first start measures nothing."""
-    from compiler.artifact import code_hash
-    from compiler.build import CACHE_SUBDIR as ARTIFACT_CACHE
+    from compile_engine.compiler.artifact import code_hash
+    from compile_engine.compiler.build import CACHE_SUBDIR as ARTIFACT_CACHE
 
     monkeypatch.setattr(activation_profile, "_profiled_at_start", lambda loaded: True)
     monkeypatch.setattr(activation_profile, "device_description", lambda target: "H200")

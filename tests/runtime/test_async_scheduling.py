@@ -7,9 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import make_tiny_model
 
-from runtime import LLM, SamplingParams
+from compile_engine import LLM, SamplingParams
+
+from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 _CHILD = """
 import json, os, sys
 from pathlib import Path
-from runtime import bytecode_cache
+from compile_engine.runtime import bytecode_cache
 needed = bytecode_cache.needed("ce_probe_pkg")
 prefix = bytecode_cache.enable(Path(sys.argv[1]), probe="ce_probe_pkg")
 import importlib.util

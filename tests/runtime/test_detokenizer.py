@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.detokenizer import IncrementalDetokenizer
+from compile_engine.runtime.sampling_params import SamplingParams
 
 FFFD = "\ufffd"
 # ASCII, accents, CJK, emoji (one with a skin-tone modifier, a flag) and a multi-char word.

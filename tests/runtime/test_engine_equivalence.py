@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from compile_engine import LLM, SamplingParams
+
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from tiny_models import TINY_ARCHS, make_tiny_model
-
-from runtime import LLM, SamplingParams
 
 SCENARIOS = {
     "default": dict(),
@@ -141,7 +142,7 @@ def test_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(smollm2_llm)
 @pytest.mark.slow
 def test_smollm2_defaults_compile_in_bf16_and_name_paris():
     """The README's main job: every default (GGUF "auto" dtype, compiled, prefix caching)."""
-    from models.loader import dequantized_dtype
+    from compile_engine.models.loader import dequantized_dtype
 
     llm = LLM("smollm2-135m", target="cpu", num_kv_blocks=256)
     assert llm.engine.loaded.dtype == dequantized_dtype(torch.device("cpu"))

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.kv_cache_manager import KVCacheManager
+from compile_engine.runtime.request import Request
+from compile_engine.runtime.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,10 +4,11 @@ them when a caller knows its requests (`compile-engine generate` serves one)."""
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_tiny_model
 
-from runtime import SamplingParams
-from runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+from compile_engine import SamplingParams
+from compile_engine.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+
+from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,8 @@ def test_a_bad_pool_size_is_refused(tiny_dir, bad):
 
 
 def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monkeypatch):
-    import runtime.engine
-    from runtime import cli
+    from compile_engine import cli
+    from compile_engine.runtime import engine
 
     seen = []
 
@@ -57,7 +58,7 @@ def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monke
         seen.append(config)
         raise Stop
 
-    monkeypatch.setattr(runtime.engine, "LLMEngine", fake_engine)
+    monkeypatch.setattr(engine, "LLMEngine", fake_engine)
     with pytest.raises(Stop):
         cli.main(["generate", str(tiny_dir), "hi", "--target", "cpu", "--enforce-eager"])
     assert seen[0].kv_pool_sequences == 1 and seen[0].num_kv_blocks is None

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.sampler import (
+from compile_engine.runtime.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
-from runtime.sampling_params import SamplingParams
+from compile_engine.runtime.sampling_params import SamplingParams
 
 V = 32
 
@@ -148,7 +148,7 @@ def test_a_temperature_too_small_for_float32_samples_greedily(temperature: float
 )  # fmt: skip
 def test_non_finite_temperature_and_repetition_penalty_are_refused(field: dict) -> None:
     # NaN passed the range checks (every comparison with NaN is false) and sampled token 0.
-    from runtime.sampling_params import InvalidSamplingParams
+    from compile_engine.runtime.sampling_params import InvalidSamplingParams
 
     with pytest.raises(InvalidSamplingParams, match="finite"):
         SamplingParams(**field)

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import (
+from compile_engine.runtime.request import Request, RequestStatus
+from compile_engine.runtime.sampling_params import SamplingParams
+from compile_engine.runtime.scheduler import (
     PENDING_TOKEN,
     DuplicateRequest,
     InvalidSchedulerConfig,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+
 from server_harness import API_KEY, MAX_BODY_BYTES, MODEL_NAME, RunningServer, ServerThread
 
 
 @pytest.fixture(scope="session")
 def server(smollm2_llm):
-    from runtime.server import build_app
+    from compile_engine.runtime.server import build_app
 
     engine = smollm2_llm.engine
     app = build_app(

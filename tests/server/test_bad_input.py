@@ -13,10 +13,11 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from server_harness import API_KEY, MODEL_NAME, assert_error
 
-from runtime.protocol import MAX_STOP, MAX_STOP_TOKEN_IDS
-from runtime.server import ASYNC_LLM
+from compile_engine.runtime.protocol import MAX_STOP, MAX_STOP_TOKEN_IDS
+from compile_engine.runtime.server import ASYNC_LLM
+
+from server_harness import API_KEY, MODEL_NAME, assert_error
 
 HI = [{"role": "user", "content": "Hi"}]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -309,7 +310,7 @@ def test_chat_template_kwargs_reach_the_template(server, client, http):
     import copy
     import types
 
-    from runtime.server import _chat_prompt
+    from compile_engine.runtime.server import _chat_prompt
 
     tokenizer = copy.deepcopy(server.engine.tokenizer)
     tokenizer.chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"

@@ -10,6 +10,7 @@ import json
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from server_harness import MODEL_NAME
 
 scalars = (

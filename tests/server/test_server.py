@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from server_harness import API_KEY, MAX_BODY_BYTES, MODEL_NAME, assert_error
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]

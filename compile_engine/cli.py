@@ -8,60 +8,13 @@ import logging
 import sys
 from pathlib import Path
 
-from runtime import bytecode_cache
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The LLM(...) settings, shared by every subcommand that runs a model."""
-    parser.add_argument("model", help="HF directory, .gguf file, alias (smollm2-135m)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--target", default=None, choices=["cpu", "h100"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument(
-        "--max-cuda-graph-tokens",
-        type=int,
-        default=None,
-        help="largest step (tokens) that replays a CUDA graph on h100 (default 2048); give "
-        "`build` the same, so that the artifact holds those sizes' kernels",
-    )
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
-    parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="step synchronously instead of preparing step N+1 while step N runs",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        target=args.target,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_cuda_graph_tokens=args.max_cuda_graph_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-        passes=args.passes,
-        cuda_graphs=not args.no_cuda_graphs,
-        async_scheduling=not getattr(args, "no_async_scheduling", False),
-    )
+from compile_engine.runtime import bytecode_cache
+from compile_engine.runtime.engine_args import add_engine_arguments, engine_kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from runtime.engine import EngineConfig, LLMEngine
-    from runtime.sampling_params import SamplingParams
+    from compile_engine.runtime.engine import EngineConfig, LLMEngine
+    from compile_engine.runtime.sampling_params import SamplingParams
 
     # One request: the default KV pool is sized for one sequence of max_model_len rather than
     # max_num_seqs of them (on CPU that pool is 4 GiB, zero-filled at start: ~10 s of page
@@ -91,15 +44,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from runtime import server
+    from compile_engine.runtime import server
 
     return server.main(args)
 
 
 def _build(args: argparse.Namespace) -> int:
-    from compiler.build import build_artifact
-    from runtime.activation_profile import build_step
-    from runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from compile_engine.compiler.build import build_artifact
+    from compile_engine.runtime.activation_profile import build_step
+    from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     def progress(stage: str, seconds: float) -> None:
         print(f"[build] {stage:<13} {seconds:7.1f} s", flush=True)
@@ -137,7 +90,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from compiler.artifact import Manifest
+    from compile_engine.compiler.artifact import Manifest
 
     manifest = Manifest.read(Path(args.artifact))
     data = json.loads((Path(args.artifact) / "manifest.json").read_text())
@@ -166,7 +119,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _passes(args: argparse.Namespace) -> int:
-    from passes.registry import REGISTRY, load_all
+    from compile_engine.passes.registry import REGISTRY, load_all
 
     load_all()
     rows = [
@@ -190,7 +143,7 @@ def _passes(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.cli import main as bench_main
+    from compile_engine.benchmarks.cli import main as bench_main
 
     return bench_main(args.bench_args)
 
@@ -266,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     # their ~2,700 modules from source at every start (runtime/bytecode_cache.py).
     if (prefix := bytecode_cache.enable()) is not None:
         logging.getLogger(__name__).info("Python bytecode cached under %s", prefix)
-    from compiler.artifact import ArtifactError
-    from compiler.config import CompileConfigError
-    from models.errors import ModelError
-    from passes.registry import UnknownPassError
-    from runtime.engine import EngineConfigError
-    from runtime.sampling_params import InvalidSamplingParams
+    from compile_engine.compiler.artifact import ArtifactError
+    from compile_engine.compiler.config import CompileConfigError
+    from compile_engine.models.errors import ModelError
+    from compile_engine.passes.registry import UnknownPassError
+    from compile_engine.runtime.engine import EngineConfigError
+    from compile_engine.runtime.sampling_params import InvalidSamplingParams
 
     user_errors = (
         ModelError,

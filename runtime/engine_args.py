@@ -1,0 +1,55 @@
+"""The engine's command-line flags (vLLM's names), shared by every command that runs a model:
+`compile-engine generate` and `serve`, and the benchmarks. Torch-free: the CLI parses its
+arguments before the heavy imports."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The LLM(...) settings, shared by every subcommand that runs a model."""
+    parser.add_argument("model", help="HF directory, .gguf file, alias (smollm2-135m)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--target", default=None, choices=["cpu", "h100"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-cuda-graph-tokens",
+        type=int,
+        default=None,
+        help="largest step (tokens) that replays a CUDA graph on h100 (default 2048); give "
+        "`build` the same, so that the artifact holds those sizes' kernels",
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="step synchronously instead of preparing step N+1 while step N runs",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        target=args.target,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_cuda_graph_tokens=args.max_cuda_graph_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        passes=args.passes,
+        cuda_graphs=not args.no_cuda_graphs,
+        async_scheduling=not getattr(args, "no_async_scheduling", False),
+    )
