@@ -19,7 +19,7 @@ def server(smollm2_llm):
     )
     thread = ServerThread(app)
     port = thread.start()
-    yield RunningServer(f"http://127.0.0.1:{port}", app, engine)
+    yield RunningServer(f"http://127.0.0.1:{port}", app, engine, thread.loop)
     thread.stop()
 
 

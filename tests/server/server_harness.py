@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from aiohttp import web
+
+from compile_engine.runtime.server import ASYNC_LLM
+
+_T = TypeVar("_T")
 
 API_KEY = "test-key"
 MODEL_NAME = "smollm2"
@@ -19,10 +26,30 @@ class RunningServer:
     base_url: str
     app: web.Application
     engine: object
+    loop: asyncio.AbstractEventLoop
 
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
+
+    def in_engine_thread(self, fn: Callable[[], _T]) -> _T:
+        """Run `fn` (an offline `LLM.generate`, a tokenizer call) on the server's engine thread
+        between two cycles, so that a test never uses the engine or its tokenizer from a second
+        thread. The AsyncLLM's snapshot of the engine's stats and step counters is refreshed
+        afterwards, as a cycle refreshes it: /metrics then counts `fn`'s steps at once, not in
+        the delta of some later request."""
+
+        async def call() -> _T:
+            llm = self.app[ASYNC_LLM]
+
+            def run() -> tuple:
+                engine = llm.engine
+                return fn(), engine.stats(), dataclasses.replace(engine.runner.counters)
+
+            result, llm.stats, llm.counters = await llm.run_in_engine_thread(run)
+            return result
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(300)
 
 
 class ServerThread:

@@ -141,8 +141,8 @@ def test_stop_as_string_or_list_and_too_many(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(stop=stops, **kwargs)
     assert info.value.body["param"] == "stop" and str(MAX_STOP) in info.value.body["message"]
-    ok = client.completions.create(stop=stops[:MAX_STOP], **(kwargs | {"max_tokens": 2}))
-    assert ok.choices[0].text
+    ok = client.completions.create(stop=stops[:MAX_STOP], **(kwargs | {"max_tokens": 2})).choices
+    assert ok[0].finish_reason == "length" and ok[0].text and text.startswith(ok[0].text)
 
 
 def test_completions_stream_include_usage_over_a_batch(client):
@@ -178,9 +178,11 @@ def test_text_content_parts_are_accepted(client, http):
     as_parts = client.chat.completions.create(
         messages=[{"role": "user", "content": parts}], **kwargs
     )
-    assert as_parts.choices[0].message.content
     # The parts joined by a newline, as vLLM joins them: the same prompt as that string.
     joined = [{"role": "user", "content": "Answer in one word.\nWhat is the capital of France?"}]
+    as_string = client.chat.completions.create(messages=joined, **kwargs)
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    assert as_parts.choices[0].message.content
     tokens = [
         post(http, "/tokenize", {"messages": m}).json()["tokens"]
         for m in ([{"role": "user", "content": parts}], joined)

@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from compile_engine.runtime.sampling_params import SamplingParams
+
 from server_harness import API_KEY, MAX_BODY_BYTES, MODEL_NAME, assert_error
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,14 +34,16 @@ def test_models_and_health(client, http):
     assert http.get("/health").status_code == 200
 
 
-def test_completion(client):
-    r = client.completions.create(
-        model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, temperature=0
-    )
+def test_completion(server, client, smollm2_llm):
+    prompt = "The quick brown fox"
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = server.in_engine_thread(lambda: smollm2_llm.generate(prompt, params)[0])
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0)
     choice = r.choices[0]
-    assert r.object == "text_completion" and choice.text
+    assert r.object == "text_completion" and choice.text == want.outputs[0].text
     assert choice.finish_reason == "length"
-    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
 def test_chat_names_paris(client):
@@ -72,11 +76,13 @@ def test_streaming_equals_non_streaming_with_usage_last(client):
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
 
 
-def test_n2_and_seed(client):
+def test_n2_and_seed(server, client, smollm2_llm):
     kwargs = dict(model=MODEL_NAME, prompt="My favourite colour is", max_tokens=8)
     r = client.completions.create(n=2, temperature=1.0, seed=7, **kwargs)
     assert sorted(c.index for c in r.choices) == [0, 1]
-    assert all(c.text for c in r.choices)
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8)
+    want = server.in_engine_thread(lambda: smollm2_llm.generate(kwargs["prompt"], params)[0])
+    assert [c.text for c in r.choices] == [c.text for c in want.outputs]
     assert 2 <= r.usage.completion_tokens <= 16  # both choices count
     again = client.completions.create(n=2, temperature=1.0, seed=7, **kwargs)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
