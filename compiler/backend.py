@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from compile_engine.models import ops  # also registers torch.ops.ce
+from compile_engine.models import vocabulary  # also registers every torch.ops.ce op
 from compile_engine.passes.manager import PassManager
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def host_sync_ops(graph: fx.Graph) -> list[str]:
         and isinstance(node.target, torch._ops.OpOverload)
         and node.target._schema.name.startswith("ce::")
     }
-    return sorted(found & ops.HOST_SYNC_OPS)
+    return sorted(found & vocabulary.HOST_SYNC_OPS)
 
 
 @dataclass(slots=True)
@@ -80,7 +80,7 @@ class BackendStats:
     compilations: int = 0  # how many graphs Dynamo handed us; > 1 after warm-up = recompile
     pieces: list[PieceRecord] = field(default_factory=list)
     # ce ops left after the passes whose reference reads device values on the host
-    # (models.ops.HOST_SYNC_OPS): while any remains, the graph cannot be CUDA-graph captured.
+    # (models.vocabulary.HOST_SYNC_OPS): while any remains, the graph cannot be CUDA-graph captured.
     host_sync_ops: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0  # Dynamo, from the first call until it hands us the graph
     pass_seconds: float = 0.0

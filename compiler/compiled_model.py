@@ -23,7 +23,7 @@ from torch import nn
 
 from compile_engine.compiler.backend import PiecewiseBackend
 from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
-from compile_engine.models import ops
+from compile_engine.models import vocabulary
 from compile_engine.models.layers import AttentionMetadata
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.manager import PassManager
@@ -52,11 +52,11 @@ def _cache_counts() -> dict[str, int]:
 
 
 def references_hash() -> str:
-    """Hash of the source files that define our op references (models/ops.py and the modules
-    that add ops to its OPS table), which is all of ours that their traces depend on: they
+    """Hash of the source files that define our op references (models/ops.py, moe.py and mla.py,
+    gathered by models/vocabulary.py), which is all of ours that their traces depend on: they
     call torch and their own modules only."""
     h = hashlib.sha256()
-    for name in sorted({ref.__module__ for _, ref in ops.OPS.values()}):
+    for name in sorted({ref.__module__ for _, ref in vocabulary.OPS.values()}):
         h.update(Path(sys.modules[name].__file__).read_bytes())
     return h.hexdigest()[:16]
 
@@ -75,7 +75,7 @@ def cacheable_references() -> dict[str, str]:
     code, every edit anywhere would recompile every piece of the shared development cache.)
     """
     salt = f"compile-engine:{references_hash()}"
-    return {f"{ref.__module__}.{ref.__name__}": salt for _, ref in ops.OPS.values()}
+    return {f"{ref.__module__}.{ref.__name__}": salt for _, ref in vocabulary.OPS.values()}
 
 
 _copies = itertools.count()

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import custom_op
 
-from compile_engine.models import ops
 from compile_engine.models.ops import _gather
 
 
@@ -289,9 +288,8 @@ def kv_bytes_per_token(
     }
 
 
-OPS = {
+MLA_OPS = {
     "mla_attention": (mla_attention, mla_attention_ref),
     "mla_latent_attention": (mla_latent_attention, mla_latent_attention_ref),
 }
-ops.OPS.update(OPS)  # one vocabulary: models.ops imports this module at its end
-ops.HOST_SYNC_OPS.update(OPS)  # both references walk the sequences on the host
+HOST_SYNC_OPS = frozenset(MLA_OPS)  # both references walk the sequences on the host

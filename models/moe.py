@@ -48,10 +48,7 @@ from torch.library import custom_op
 from compile_engine.models import ops
 from compile_engine.models.config import ModelConfig
 from compile_engine.models.errors import CheckpointError, UnsupportedModelError
-
-# models.ops imports this module so that importing it registers the whole op vocabulary, and
-# models.layers imports models.ops: the layers this file builds on are therefore imported where
-# they are used, not here, or importing models.layers first would find itself half-initialised.
+from compile_engine.models.layers import GatedMLP, Linear, _copy_checked
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -244,8 +241,7 @@ MOE_OPS = {
     "moe_grouped_gemm": (moe_grouped_gemm, moe_grouped_gemm_ref),
     "moe_combine": (moe_combine, moe_combine_ref),
 }
-ops.OPS.update(MOE_OPS)
-ops.HOST_SYNC_OPS.add("moe_grouped_gemm")  # its reference loops over the experts present
+HOST_SYNC_OPS = frozenset({"moe_grouped_gemm"})  # its reference loops over the experts present
 
 
 # --------------------------------------------------------------------------- config
@@ -315,12 +311,6 @@ def validate_moe_config(config: MoEConfig) -> None:
 
 
 # --------------------------------------------------------------------------- modules
-
-
-def _copy_checked(dst: Tensor, src: Tensor, name: str) -> None:
-    from compile_engine.models.layers import _copy_checked as copy_checked
-
-    copy_checked(dst, src, name)
 
 
 class Router(nn.Module):
@@ -424,8 +414,6 @@ class SparseMoE(nn.Module):
         shards: dict[str, tuple[str, ...]],
         shared_expert_name: str = "shared_expert",
     ) -> None:
-        from compile_engine.models.layers import GatedMLP, Linear
-
         super().__init__()
         validate_moe_config(config)
         self.config = config

@@ -255,6 +255,7 @@ def paged_attention_fake(
     return torch.empty_like(q)
 
 
+# The ops of this file; models/vocabulary.py gathers them with the MoE and MLA ops.
 OPS = {
     "rms_norm": (rms_norm, rms_norm_ref),
     "add_rms_norm": (add_rms_norm, add_rms_norm_ref),
@@ -263,11 +264,6 @@ OPS = {
     "paged_attention": (paged_attention, paged_attention_ref),
 }
 
-# Ops whose reference reads device values on the host (sequence lengths, experts present): a
-# graph that still calls one cannot be captured in a CUDA graph; their kernel lowerings can.
-HOST_SYNC_OPS: set[str] = {"paged_attention"}
-
-# Ops defined in modules of their own join OPS when they are imported; importing them here
-# means that importing models.ops registers the whole vocabulary (torch.ops.ce.*).
-import compile_engine.models.mla  # noqa: E402, F401
-import compile_engine.models.moe  # noqa: E402, F401
+# The ops of this file whose reference reads device values on the host (the sequence lengths);
+# models/vocabulary.py gathers every module's.
+HOST_SYNC_OPS = frozenset({"paged_attention"})

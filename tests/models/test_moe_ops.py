@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from compile_engine.models import ops
+from compile_engine.models import ops, vocabulary
 from compile_engine.models.moe import (
     align_capacity,
     moe_align,
@@ -210,5 +210,6 @@ def test_stacked_experts_match_transformers_mixtral_experts():
 
 def test_ops_join_the_vocabulary():
     for name in ("moe_route", "moe_align", "moe_grouped_gemm", "moe_combine"):
-        op, ref = ops.OPS[name]
+        op, ref = vocabulary.OPS[name]
         assert op._qualname == f"ce::{name}" and callable(ref)
+    assert "moe_grouped_gemm" in vocabulary.HOST_SYNC_OPS

@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from compile_engine.models import mla, moe, ops
+from compile_engine.models import mla, moe, ops, vocabulary
 from compile_engine.models.rope import cos_sin_table
 
 
@@ -382,7 +382,7 @@ def _compile_case(name: str):
     raise AssertionError(f"no compile case for op {name}")
 
 
-@pytest.mark.parametrize("name", list(ops.OPS))
+@pytest.mark.parametrize("name", list(vocabulary.OPS))
 def test_op_is_one_node_under_compile(name: str) -> None:
     graphs: list[list] = []  # call targets of each graph, recorded before AOT rewrites it
 
