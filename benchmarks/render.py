@@ -1,12 +1,14 @@
-"""`bench render`: docs/performance.md from every JSON in benchmarks/results/.
+"""`bench render`: docs/performance.md from the JSON in benchmarks/results/.
 
-The page is generated; edit this file, not the page. The targets table first (targets.py), then
-one headline row per (device, commit, model, variant), merging the runs of that group (the
-latest run wins a key both wrote), above the peers' numbers that BRIEF.md records for the H200,
-then per-run details and the exact command of each run. A run written under a custom `--name`
-(e.g. `latency-nographs`) is a variant with its own row, so a graphs-off run never overwrites
-the graphs-on numbers. An artifact that a startup run built (`--out DIR`) counts as the model it
-was built from, so runs that loaded it share that model's row.
+benchmarks/results/ holds the latest record of each benchmark on each device; the records it
+replaced are in git history. The page is generated, so edit this file, not the page, with one
+exception: the change log's last column ("what changed") is written by hand and kept.
+
+The page, top to bottom: issue 7's targets against the newest comparable H200 run of each row
+(targets.py: ours, the peers, met or not) with its plot and the commands of those runs; the
+change log, a row for each commit whose runs made headline numbers (rows of commits no longer
+in the results are kept from the page as it was, a commit in the results gets its numbers from
+them, a new one is appended); then the latest record of each benchmark in detail.
 """
 
 from __future__ import annotations
@@ -25,42 +27,40 @@ from compile_engine.benchmarks.results import (
     REPO_ROOT,
     result_kind,
     result_model,
-    result_variant,
 )
 
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "performance.md"
 
-LABELS = {
-    "decode_bs1_tok_s": "decode batch 1, tok/s",
-    "decode_bs64_tok_s": "decode batch 64, tok/s",
-    "decode_bs256_tok_s": "decode batch 256, tok/s",
-    "offline_output_tok_s": "offline 1000 x (512 in / 256 out), output tok/s",
-    "serve_output_tok_s": "serve 512/256 at concurrency 256, output tok/s",
-    "startup_ready_s": "serve ready (warm), s",
+CHANGE_LOG = "## Change log of the headline numbers"
+
+# The change log's number columns: targets.TARGETS' keys, labelled short.
+LOG_COLUMNS = {
+    "decode_bs1_tok_s": "decode 1",
+    "decode_bs64_tok_s": "decode 64",
+    "decode_bs256_tok_s": "decode 256",
+    "offline_output_tok_s": "offline",
+    "serve_output_tok_s": "serve",
+    "startup_ready_minus_weights_s": "ready − weights, s",
+    "cold_build_s": "cold build, s",
 }
 
-# Headline rows beyond FLAT_KEYS, read from the runs that carry them.
-EXTRA_LABELS = {"cold_build_s": "cold build / cold start, s"}
-
-# Measured by peers on the same H200 on 2026-11-29, Llama-3-8B shape, bf16 (BRIEF.md, issue 7):
-# the headline table's reference rows, from benchmarks/targets.py's numbers plus the start-up
-# columns' wording.
-REFERENCES: dict[str, dict[str, str]] = {
-    f"{targets.STATIC} (H200)": {
-        **{k: targets.number(v) for k, v in targets.PEERS[targets.STATIC].items()},
-        "startup_ready_s": "104 (compiles every start)",
-        "cold_build_s": "104 (every start)",
-    },
-    f"{targets.VLLM} (H200)": {
-        **{k: targets.number(v) for k, v in targets.PEERS[targets.VLLM].items()},
-        "startup_ready_s": "46",
-    },
-    "target (H200)": {
-        **{t.key: t.text for t in targets.TARGETS if t.key in FLAT_KEYS and t.bound},
-        "startup_ready_s": "<= 10 + weight read",
-        "cold_build_s": "<= 90 (build)",
-    },
-}
+# The order of the detailed records: the headline benchmarks first, then the kernels'.
+KIND_ORDER = (
+    "latency",
+    "throughput",
+    "serve",
+    "startup",
+    "breakdown",
+    "offline_floor",
+    "paged_attention",
+    "paged_attention_prefill",
+    "gemm",
+    "gemm_norm",
+    "fusions",
+    "moe",
+    "mla",
+    "kv_waste",
+)
 
 
 def load_results(directory: str | Path) -> list[dict]:
@@ -78,40 +78,6 @@ def _commit(r: dict) -> str:
 
 def _device(r: dict) -> str:
     return r.get("device", {}).get("name", "?")
-
-
-def _option(r: dict, flag: str) -> str | None:
-    command = r.get("command", "")
-    args = command if isinstance(command, list) else shlex.split(str(command))
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def artifact_aliases(results: list[dict]) -> dict[tuple[str, str, str], str]:
-    """(device, commit, artifact name) -> the model it was built from, read off startup runs."""
-    aliases = {}
-    for r in results:
-        out = _option(r, "--out") if result_kind(r) == "startup" else None
-        if out and r.get("model"):
-            aliases[_device(r), _commit(r), Path(out).name] = Path(str(r["model"])).name
-    return aliases
-
-
-def _group_key(r: dict, aliases: dict | None = None) -> tuple[str, str, str, str]:
-    """(device, commit, model, variant): numbers of different models never share a column."""
-    dev, commit = _device(r), _commit(r)
-    model = result_model(r) if "model" in r else "no model (op benchmark)"
-    model = (aliases or {}).get((dev, commit, model), model)
-    return dev, commit, model, result_variant(r)
-
-
-def _title(key: tuple[str, str, str, str]) -> str:
-    dev, commit, model, variant = key
-    return f"{dev} @ `{commit}`, {model}" + (f" ({variant})" if variant else "")
 
 
 def _command(r: dict) -> str:
@@ -140,74 +106,116 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def _groups(results: list[dict]) -> dict[tuple[str, str, str, str], list[dict]]:
-    """The runs by (device, commit, model, variant), oldest first within each group."""
-    aliases = artifact_aliases(results)
-    groups: dict[tuple[str, str, str, str], list[dict]] = {}
-    for r in results:
-        groups.setdefault(_group_key(r, aliases), []).append(r)
-    return groups
+def headline_commands(results: list[dict]) -> list[str]:
+    """The command of each run the targets table takes a number from, newest first."""
+    runs = {id(run): run for _, run in targets.latest(results).values()}
+    ordered = sorted(runs.values(), key=lambda r: str(r.get("timestamp", "")), reverse=True)
+    return [f"- `{r.get('_file', result_kind(r))}`: `{_command(r)}`" for r in ordered]
 
 
-def headline(results: list[dict]) -> list[list[str]]:
-    """The headline table, its header first: a row a group of runs (oldest first; a later run
-    wins a key both wrote), a column a metric, the peers' rows last. (One column a run had
-    grown past 60.) Groups with no headline number (kv waste, kernel benchmarks) are detailed
-    below it only."""
-    return _headline(_groups(results))
+# --------------------------------------------------------------------------- the change log
 
 
-def _headline(groups: dict[tuple[str, str, str, str], list[dict]]) -> list[list[str]]:
-    keys = [*FLAT_KEYS, *EXTRA_LABELS]
-    labels = {**LABELS, **EXTRA_LABELS}
-    rows = [["run"] + [labels[k] for k in keys]]
-    for group, runs in groups.items():
-        values: dict = {}
-        for r in runs:
-            values.update({k: r[k] for k in keys if k in r})
-        if values:
-            rows.append([_title(group)] + [_fmt(values.get(k)) for k in keys])
-    rows += [[name] + [ref.get(k, "—") for k in keys] for name, ref in REFERENCES.items()]
+def _short(commit: str) -> str:
+    return commit[:7]
+
+
+def measured_rows(results: list[dict]) -> dict[str, list[str]]:
+    """{commit: the change log's cells but the last} for each commit whose comparable runs
+    (targets.comparable_runs) carry a headline number, oldest first."""
+    rows: dict[str, list[str]] = {}
+    values: dict[str, dict[str, float]] = {}
+    for run in targets.comparable_runs(results):
+        commit = _short(str(run.get("commit", "?")))
+        found = {k: float(run[k]) for k in LOG_COLUMNS if isinstance(run.get(k), int | float)}
+        if not found:
+            continue
+        values.setdefault(commit, {}).update(found)
+        date = str(run.get("timestamp", ""))[:10]
+        row = [f"`{commit}`", date, *(_fmt(values[commit].get(k)) for k in LOG_COLUMNS)]
+        rows[commit] = row
     return rows
 
 
-def render(results: list[dict], plot_file: str | None = None) -> str:
-    """The page; `plot_file`: the targets plot's file name beside it, if one was written."""
-    groups = _groups(results)
-    header, *rows = _headline(groups)
+def previous_log(page: str) -> list[tuple[str, str, str]]:
+    """The change log of a page as it was: (commit, its row's text, its last cell) a row."""
+    rows = []
+    inside = False
+    for line in page.splitlines():
+        if line.startswith("## "):
+            inside = line == CHANGE_LOG
+        elif inside and line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.append((cells[0].strip("`"), line, cells[-1]))
+    return rows
+
+
+def change_log(results: list[dict], previous_page: str = "") -> list[str]:
+    """The change log: the previous page's rows in their order, those of commits measured in
+    `results` with their numbers from them and their note kept, then new commits appended."""
+    measured = measured_rows(results)
+    lines = []
+    for commit, line, note in previous_log(previous_page):
+        row = measured.pop(commit, None)
+        lines.append(line if row is None else "| " + " | ".join([*row, note]) + " |")
+    lines += ["| " + " | ".join([*row, ""]) + " |" for row in measured.values()]
+    header = ["commit", "date", *LOG_COLUMNS.values(), "what changed"]
+    return [
+        CHANGE_LOG,
+        "",
+        "A row for each commit whose runs (H200, the Llama-3-8B-shaped model, no named variant)",
+        "set a headline number: the numbers measured at that commit, `—` where it measured none.",
+        "The records themselves are in git history; the last column is written by hand.",
+        "",
+        *_table(header, []),
+        *lines,
+    ]
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def _order(r: dict) -> tuple:
+    kind = result_kind(r)
+    rank = KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
+    return ("H200" not in _device(r), rank, r.get("_file", ""))
+
+
+def _record_title(r: dict) -> str:
+    model = result_model(r)
+    what = f", {model}" if model else ""
+    return f"### {r.get('name') or result_kind(r)}: {_device(r)} at `{_commit(r)}`{what}"
+
+
+def render(results: list[dict], plot_file: str | None = None, previous_page: str = "") -> str:
+    """The page; `plot_file`: the targets plot's file name beside it, if one was written;
+    `previous_page`: the page as it was, whose change log is kept."""
     lines = [
         "# Performance",
         "",
-        "Generated by `compile-engine bench render` from `benchmarks/results/*.json`; do not",
-        "edit by hand. The protocol (what each benchmark measures, the exact commands) is in",
-        "[benchmarks.md](benchmarks.md). The headline table's last rows are the peers' numbers",
-        "that BRIEF.md records for one H200 with Llama-3-8B-shaped random bf16 weights; a row of",
-        "ours is comparable to them only when its device is an H200 and its model that shape.",
-        "Each row of ours is one (device, commit, model) and, where a run was named apart (such",
-        "as `latency-nographs`), that variant; the sections below give each run's model,",
-        "settings and versions.",
+        "Generated by `compile-engine bench render` from `benchmarks/results/*.json`, the latest",
+        "record of each benchmark on each device (earlier ones are in git history); edit",
+        "benchmarks/render.py, not this page, except the change log's last column. The protocol",
+        "is in [benchmarks.md](benchmarks.md); experiments measured against the defaults, won",
+        "or lost, are in [compiler.md](compiler.md)'s table.",
         "",
-        *targets.table(results, plot_file),
-        "## Headline numbers",
-        "",
-        *_table(header, rows),
     ]
-    if not groups:
+    if any(_command(r).startswith("python -m benchmarks ") for r in results):
+        lines += [
+            "Commands recorded before 802a0e4 start `python -m benchmarks`; today the same",
+            "command is `compile-engine bench` (or `python -m compile_engine.benchmarks`).",
+            "",
+        ]
+    table = targets.table(results, plot_file)
+    if table:
+        lines += [*table, "The commands of those runs:", "", *headline_commands(results), ""]
+    lines += [*change_log(results, previous_page), "", "## Latest record of each benchmark"]
+    if not results:
         lines += ["", "_No results yet: run a benchmark (see benchmarks.md)._"]
-
-    for key, runs in groups.items():
-        lines += ["", f"## {_title(key)}", ""]
-        for r in runs:
-            name = Path(str(r.get("model", ""))).name
-            if name and name != key[2]:
-                built = f"`{r['model']}` is the artifact built from `{key[2]}` (see startup)."
-                lines += [built, ""]
-            lines += _details(r)
-    lines += ["## Commands", ""]
-    for r in results:
-        lines.append(f"- `{r['_file']}` ({r.get('timestamp', '?')}):")
-        lines.append(f"  `{_command(r)}`")
-    return "\n".join(lines) + "\n"
+    for r in sorted(results, key=_order):
+        lines += ["", _record_title(r), "", f"`{r.get('_file', '?')}`, {r.get('timestamp', '?')}:"]
+        lines += [f"`{_command(r)}`", "", *_details(r)]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def _versions(r: dict) -> str:
@@ -273,7 +281,8 @@ def _gpu_cell(g: dict) -> str:
 
 def _details(r: dict) -> list[str]:
     kind = result_kind(r)
-    lines = [f"### {kind} (`{r['_file']}`)", "", _model_line(r), ""]
+    model_line = _model_line(r)
+    lines = [model_line, ""] if model_line else []
     if engine := _engine_line(r):
         lines += [engine, ""]
     if kind == "latency":
@@ -329,6 +338,7 @@ def _details(r: dict) -> list[str]:
             row.append(_gpu_cell(r["gpu"]))
         lines += _table(header, [row])
         if r.get("steps"):
+            lines.append("")
             lines.append(
                 "Engine steps by kind (each timed from its schedule call to the next: with "
                 "async scheduling, the device time of the step before, so at a change of kind "
@@ -396,18 +406,16 @@ def _details(r: dict) -> list[str]:
         lines += _gemm(r)
     elif kind == "gemm_norm":
         lines += _gemm_norm(r)
-    elif kind == "pa_decode_sweep":
-        lines += _pa_decode_sweep(r)
     elif kind == "offline_floor":
         lines += _offline_floor(r)
     elif kind in ("moe", "mla"):
         # Their modules import torch; only a result of that kind pays for it.
-        module = importlib.import_module(f"benchmarks.{kind}")
+        module = importlib.import_module(f"compile_engine.benchmarks.{kind}")
         lines += module.render_details(r)
     else:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []
-    return [*lines, ""]
+    return lines
 
 
 def _gemm(r: dict) -> list[str]:
@@ -458,19 +466,6 @@ def _gemm_norm(r: dict) -> list[str]:
     return [
         "The norm kernel, the tuned GEMM [and silu_and_mul] against the fused launch; "
         f"CUDA-graph replay over weight copies that miss L2 ({r.get('timing', '')}).",
-        "",
-        *_table(header, rows),
-    ]
-
-
-def _pa_decode_sweep(r: dict) -> list[str]:
-    """scripts/device/pa_decode_sweep.py: us a call per decode-attention config and shape."""
-    shapes = [k for k in (r["rows"][0] if r.get("rows") else {}) if k.startswith("bs")]
-    header = ["config", *(k.replace("_c", " x ctx ").replace("bs", "") for k in shapes)]
-    rows = [[f"`{x['name']}`", *(_fmt(x.get(k)) for k in shapes)] for x in r.get("rows", [])]
-    return [
-        "Microseconds a call (CUDA-graph replay); configs BLOCK_N / warps / stages [/ register"
-        " cap], `table` the shipped choice; columns batch x context.",
         "",
         *_table(header, rows),
     ]
@@ -865,7 +860,8 @@ def main(argv: list[str] | None = None) -> int:
     if plot is not None:
         plot_path.write_text(plot)
         print(f"wrote {plot_path}")
-    out.write_text(render(results, plot_path.name if plot is not None else None))
+    previous = out.read_text() if out.exists() else ""
+    out.write_text(render(results, plot_path.name if plot is not None else None, previous))
     print(f"wrote {out}")
     return 0
 

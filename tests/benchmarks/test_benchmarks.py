@@ -23,7 +23,6 @@ from compile_engine.benchmarks import (
     throughput,
 )
 from compile_engine.benchmarks.results import (
-    FLAT_KEYS,
     device_slug,
     environment_settings,
     write_result,
@@ -362,47 +361,43 @@ def test_write_result_names_and_records(tmp_path):
 
 def test_render_markdown(tmp_path):
     results = tmp_path / "results"
-    write_result(
-        "latency",
-        {
-            "benchmark": "latency",
-            "model": "/m/llama3-8b",
-            "input_len": 32,
-            "output_len": 128,
-            "num_iters": 3,
-            "num_warmup": 1,
-            "copy_rate_B_s": 4.26e12,
-            "copy_rate_source": "given",
-            "weight_bytes_per_step": 15_000_000_000,
-            "batches": {
-                "1": {
-                    "decode_tok_s": 260.0,
-                    "ms_per_step": 3.8,
-                    "roofline_tok_s": 283.0,
-                    "roofline_pct": 91.9,
-                    "prefill_s": 0.02,
-                }
-            },
-            "decode_bs1_tok_s": 260.0,
+    latency_keys = {
+        "benchmark": "latency",
+        "model": "/m/llama3-8b",
+        "input_len": 32,
+        "output_len": 128,
+        "num_iters": 3,
+        "num_warmup": 1,
+        "copy_rate_B_s": 4.26e12,
+        "copy_rate_source": "given",
+        "weight_bytes_per_step": 15_000_000_000,
+        "batches": {
+            "1": {
+                "decode_tok_s": 260.0,
+                "ms_per_step": 3.8,
+                "roofline_tok_s": 283.0,
+                "roofline_pct": 91.9,
+                "prefill_s": 0.02,
+            }
         },
-        results,
-        device="cpu",
-    )
+        "decode_bs1_tok_s": 260.0,
+    }
+    path = write_result("latency", latency_keys, results, device="cpu")
+    write_result("kv-waste-probe", {"benchmark": "kv_waste_probe"}, results, device="cpu")
     out = tmp_path / "performance.md"
     assert cli.main(["render", "--results-dir", str(results), "--output", str(out)]) == 0
     text = out.read_text()
     assert text.startswith("# Performance")
-    # The headline table: a row a run, a column a metric, the peers' rows last.
-    header, *rows = render.headline(render.load_results(results))
-    assert header[1:] == [render.LABELS[k] for k in FLAT_KEYS] + ["cold build / cold start, s"]
-    ours, *peers = rows
-    assert ours[0].endswith(", llama3-8b") and ours[1] == "260.0"
-    assert set(ours[2:]) == {"—"}  # this run carries no other headline number
-    vllm = dict(zip(header, next(p for p in peers if p[0] == "vLLM 0.26.0 (H200)"), strict=True))
-    assert vllm[render.LABELS["decode_bs256_tok_s"]] == "21,428"
-    assert "| " + " | ".join(ours) + " |" in text
-    assert "| " + " | ".join(header) + " |" in text
-    assert "## Commands" in text
+    # A CPU run is no headline number: no targets table, an empty change log.
+    assert "## Against the targets" not in text
+    log = text.split(render.CHANGE_LOG)[1].split("## ")[0]
+    assert not [line for line in log.splitlines() if line.startswith("| `")]
+    # Every record is detailed under its own title with its command, the headline kinds first.
+    record = json.loads(path.read_text())
+    title = f"### latency: {record['device']['name']} at `{render._commit(record)}`, llama3-8b"
+    assert text.index(title) < text.index("### kv-waste-probe:")
+    assert f"`{path.name}`, {record['timestamp']}:\n`{record['command']}`" in text
+    assert "| 1 | 260.0 | 3.80 | 283.0 | 91.9% | 0.02 |" in text
 
 
 def test_cli_rejects_unknown_command(capsys):

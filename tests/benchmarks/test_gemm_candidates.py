@@ -38,16 +38,6 @@ def test_render_shows_cublas_against_the_best_triton_and_ragged_configs():
     assert row.endswith("11.80 (`swap/16x16x256/s1/w4/p4/r1`) |")
 
 
-def test_render_shows_the_decode_attention_sweep():
-    from compile_engine.benchmarks import render
-
-    rows = [{"name": "table", "bs256_c100": 38.36, "bs1_c32k": 50.67},
-            {"name": "32/2/2/128", "bs256_c100": 37.89, "bs1_c32k": None}]  # fmt: skip
-    lines = render._pa_decode_sweep({"rows": rows})
-    assert "| config | 256 x ctx 100 | 1 x ctx 32k |" in lines
-    assert "| `32/2/2/128` | 37.9 | — |" in lines
-
-
 def test_fused_norm_sweep_tries_valid_calls_without_split():
     from compile_engine.benchmarks import gemm_norm
 

@@ -1,12 +1,13 @@
 """benchmarks/targets.py: the targets table and plot read the newest comparable H200 run of each
-row, and say plainly what is met."""
+row, and say plainly what is met; render.py's change log of those numbers keeps what was
+written by hand."""
 
 from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
 
-from compile_engine.benchmarks import cli, targets
+from compile_engine.benchmarks import cli, render, targets
 
 H200 = {"type": "cuda", "name": "NVIDIA H200"}
 LLAMA3_8B = {
@@ -29,6 +30,7 @@ def _run(name, timestamp, commit="c0ffee0", device=H200, model="/tmp/l3", **keys
         "commit": commit,
         "device": device,
         "model": model,
+        "command": f"bench {name} --at {commit}",
         **keys,
     }
 
@@ -51,6 +53,15 @@ def _results() -> list[dict]:
              startup_ready_minus_weights_s=7.9, startup_ready_s=9.9),
         _run("throughput", "2026-11-30T02:10:00", offline_output_tok_s=10_500.0),
     ]  # fmt: skip
+
+
+def _probes() -> list[dict]:
+    """_results() as a kind the page details generically: they carry only the keys tested here."""
+    probes = []
+    for run in _results():
+        name = run["name"].replace(run["benchmark"], "probe")
+        probes.append({**run, "name": name, "benchmark": "probe"})
+    return probes
 
 
 def test_latest_takes_the_newest_comparable_run_of_each_row():
@@ -101,11 +112,8 @@ def test_plot_is_an_svg_with_a_bar_for_each_number():
 def test_render_writes_the_plot_beside_the_page(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    for i, run in enumerate(_results()):
-        # A kind the page details generically: these runs carry only the keys tested here.
-        name = run["name"].replace(run["benchmark"], "probe")
-        run = {**run, "name": name, "benchmark": "probe"}
-        (results / f"{name}-{i}.json").write_text(json.dumps(run))
+    for i, run in enumerate(_probes()):
+        (results / f"{run['name']}-{i}.json").write_text(json.dumps(run))
     out = tmp_path / "docs" / "performance.md"
     assert cli.main(["render", "--results-dir", str(results), "--output", str(out)]) == 0
     assert ET.parse(out.with_suffix(".svg")).getroot().tag.endswith("svg")
@@ -117,3 +125,43 @@ def test_render_writes_the_plot_beside_the_page(tmp_path):
     out.with_suffix(".svg").unlink()
     assert cli.main(["render", "--results-dir", str(results), "--output", str(out)]) == 0
     assert not out.with_suffix(".svg").exists() and "performance.svg" not in out.read_text()
+
+
+def test_the_commands_of_the_table_s_runs_newest_first():
+    assert render.headline_commands(_results()) == [
+        "- `startup`: `bench startup --at boot`",
+        "- `throughput`: `bench throughput --at c0ffee0`",
+        "- `latency`: `bench latency --at new`",
+    ]
+
+
+def _page_with_log(*rows: str) -> str:
+    header = "| commit | date | " + " | ".join(render.LOG_COLUMNS.values()) + " | what changed |"
+    return "\n".join(
+        ["# Performance", "", render.CHANGE_LOG, "", header, "|---|", *rows, "",
+         "## Latest record of each benchmark", "", "| `c0ffee0` | not the log |"]
+    )  # fmt: skip
+
+
+def test_change_log_keeps_hand_rows_and_refreshes_measured_ones():
+    by_hand = "| `0ld0ld0` | 2026-11-01 | 100.0 | — | — | — | — | — | — | a kernel by hand |"
+    stale = "| `new` | 2026-11-30 | 1.0 | — | — | — | — | — | — | kept note |"
+    lines = render.change_log(_results(), _page_with_log(by_hand, stale))
+    rows = [line for line in lines if line.startswith("| `")]
+    # A commit the results no longer hold keeps its row as written.
+    assert rows[0] == by_hand
+    # A commit in the results gets its numbers from them and keeps its note.
+    assert (
+        rows[1]
+        == "| `new` | 2026-11-30 | 240.0 | 13,500.0 | 29,900.0 | — | — | — | — | kept note |"
+    )
+    # Commits not yet in the log follow, oldest first, with the numbers measured at each.
+    assert rows[2:] == [
+        "| `old` | 2026-11-30 | 230.0 | — | — | — | — | — | — |  |",
+        "| `c0ffee0` | 2026-11-30 | — | — | — | 10,500.0 | — | — | — |  |",
+        "| `boot` | 2026-11-30 | — | — | — | — | — | 7.90 | 65.0 |  |",
+    ]
+    # Rendering the page again from itself changes nothing.
+    page = render.render(_probes(), None, _page_with_log(by_hand, stale))
+    assert render.render(_probes(), None, page) == page
+    assert page.count("a kernel by hand") == 1 and "| `c0ffee0` | not the log |" not in page
