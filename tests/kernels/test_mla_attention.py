@@ -17,7 +17,8 @@ from compile_engine.models.mla import (
     mla_attention_ref,
     mla_latent_attention_ref,
 )
-from compile_engine.passes.testing import run_interpreted
+
+from pass_kit import run_interpreted
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(

@@ -12,7 +12,8 @@ import torch
 
 from compile_engine.kernels_generated import moe_grouped_gemm as mk
 from compile_engine.models.moe import align_capacity, moe_align_ref
-from compile_engine.passes.testing import run_interpreted
+
+from pass_kit import run_interpreted
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(

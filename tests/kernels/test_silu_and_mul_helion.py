@@ -20,7 +20,8 @@ from compile_engine.kernels_generated.configs import (
     bucket_tokens,
 )
 from compile_engine.models.ops import silu_and_mul_ref
-from compile_engine.passes.testing import run_interpreted
+
+from pass_kit import run_interpreted
 
 pytest.importorskip("helion", reason="helion is not installed (pip install helion==1.4.0)")
 import helion  # noqa: E402

@@ -398,7 +398,7 @@ def test_fake_gives_the_linear_shape():
 def test_cpu_kernel_cases_in_one_child():
     if k.INTERPRETED:
         pytest.skip("this is the child")
-    from compile_engine.passes.testing import run_interpreted
+    from pass_kit import run_interpreted
 
     passes = HERE.parent / "passes"
     pass_tests = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compile_engine.passes.testing import run_interpreted
+from pass_kit import run_interpreted
 
 HERE = Path(__file__).resolve().parent
 FILES = (

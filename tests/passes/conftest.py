@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from compile_engine.passes.testing import capture_graph
+from pass_kit import capture_graph
 
 
 @pytest.fixture(scope="module")

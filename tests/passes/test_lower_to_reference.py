@@ -7,7 +7,8 @@ import torch
 
 from compile_engine.models import ops
 from compile_engine.passes.base import PassContext
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,

@@ -3,7 +3,7 @@ the naive up-projected graph computes.
 
 On cpu the pass emits the reference latent op (plain PyTorch); on h100 the Triton kernel,
 which runs on CPU only under the interpreter: that numerics case runs in a child pytest
-(passes.testing.run_interpreted)."""
+(pass_kit.run_interpreted)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 from compile_engine.compiler.backend import host_sync_ops, is_split_node, split_at_attention
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,
@@ -23,7 +24,6 @@ from compile_engine.passes.testing import (
     run_interpreted,
     targets_of,
 )
-
 from tiny_deepseek import make_tiny_deepseek
 
 LAYERS = 3  # tests/tiny_deepseek

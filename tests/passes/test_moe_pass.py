@@ -8,7 +8,8 @@ import torch
 
 from compile_engine.compiler.backend import host_sync_ops
 from compile_engine.passes.base import PassContext
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,
@@ -16,7 +17,6 @@ from compile_engine.passes.testing import (
     run_interpreted,
     targets_of,
 )
-
 from tiny_moe import make_tiny_moe
 
 SPARSE_LAYERS = 2  # tiny qwen2_moe: layers 0 and 2 sparse, layer 1 dense (mlp_only_layers)

@@ -9,7 +9,8 @@ import torch
 
 from compile_engine.compiler.backend import host_sync_ops
 from compile_engine.passes.base import PassContext
-from compile_engine.passes.testing import apply_pass, count_matches, targets_of
+
+from pass_kit import apply_pass, count_matches, targets_of
 
 LAYERS = 2  # tests/tiny_models
 

@@ -16,7 +16,8 @@ import torch
 from compile_engine.compiler.backend import is_split_node
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     copy_graph,

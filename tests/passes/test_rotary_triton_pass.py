@@ -12,7 +12,8 @@ import torch
 
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     count_matches,

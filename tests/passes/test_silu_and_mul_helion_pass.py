@@ -3,7 +3,7 @@
 Named *_pass so that pytest does not confuse it with tests/kernels/test_silu_and_mul_helion.py
 (test directories here are not packages, so basenames must differ). The numerics case runs
 the Helion kernel eagerly, which needs HELION_INTERPRET=1 from the start of the process: it
-runs in a child pytest (passes.testing.run_interpreted)."""
+runs in a child pytest (pass_kit.run_interpreted)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     count_matches,

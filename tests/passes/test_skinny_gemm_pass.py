@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
-from compile_engine.passes.testing import (
+
+from pass_kit import (
     apply_pass,
     assert_numerics_unchanged,
     capture_graph,

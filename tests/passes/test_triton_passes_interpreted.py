@@ -2,7 +2,7 @@
 rotary_into_attention, silu_and_mul_triton), run under the Triton interpreter in one child pytest.
 
 Each case compiles a tiny Llama with exactly its pass and with none and compares the logits
-(passes.testing.assert_numerics_unchanged), which runs the Triton kernel on CPU tensors: that
+(pass_kit.assert_numerics_unchanged), which runs the Triton kernel on CPU tensors: that
 needs TRITON_INTERPRET=1 from the start of the process, hence a child. One child for the four
 files, not one each: a child pays seconds of imports (torch, transformers) before its first case."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compile_engine.passes.testing import run_interpreted
+from pass_kit import run_interpreted
 
 HERE = Path(__file__).resolve().parent
 FILES = (

@@ -1,18 +1,21 @@
-"""The pass authoring kit's test helpers: trace a tiny real model, count matches, compare
-numerics with the pass on and off. A pass's test is then a few lines:
+"""The pass authoring kit: trace a tiny real model, count matches, compare numerics with the
+pass on and off. A pass's test is then a few lines:
+
+    from pass_kit import assert_numerics_unchanged, capture_graph, count_matches
 
     gm = capture_graph("llama")
     assert count_matches("my_pass", gm, PassContext("h100", torch.bfloat16)) == 2
     assert_numerics_unchanged("my_pass", model_dir)
 
-This module ships with the package but is for tests: it imports the tiny-model and paged-cache
-helpers from the repository's tests/ directory inside the functions that need them, and never
-imports pytest, so importing it costs nothing and needs no test dependencies.
+It lives in tests/, not in passes/: it drives the compiler (a layer above the passes) and the
+tests' tiny models and paged-cache harness, which test modules import by name (pytest's
+pythonpath holds tests/). Those, and the compiler, are imported inside the functions that need
+them, because run_interpreted's child pytests import this module too and should not pay for
+transformers and Inductor's set-up when they only run kernels.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -28,23 +31,10 @@ from compile_engine.passes.manager import PassManager
 from compile_engine.passes.registry import REGISTRY, load_all
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TESTS_DIR = REPO_ROOT / "tests"
 
 
 class KitError(RuntimeError):
-    """The kit cannot do what was asked (no tests/ checkout, a pass that matched nothing)."""
-
-
-def tests_module(name: str):
-    """Import a helper module of the repository's tests/ (tiny_models, paged_harness)."""
-    if not (TESTS_DIR / f"{name}.py").is_file():
-        raise KitError(
-            f"tests/{name}.py not found under {REPO_ROOT}: the pass testing kit needs a source "
-            "checkout of compile-engine (pip install -e .), not an installed wheel"
-        )
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.append(str(TESTS_DIR))
-    return importlib.import_module(name)
+    """The kit cannot do what was asked (an unknown pass, a pass that matched nothing)."""
 
 
 def get_pass(pass_: str | GraphPass) -> GraphPass:
@@ -62,8 +52,10 @@ def get_pass(pass_: str | GraphPass) -> GraphPass:
 def make_model_dir(model_name: str, directory: Path | None = None, seed: int = 0) -> Path:
     """Write the tiny random HF model `model_name` (tests/tiny_models.TINY_ARCHS) to
     `directory` (default: a new temporary directory) and return the directory."""
+    from tiny_models import make_tiny_model
+
     directory = Path(directory or tempfile.mkdtemp(prefix=f"ce-{model_name}-"))
-    tests_module("tiny_models").make_tiny_model(model_name, directory, seed=seed)
+    make_tiny_model(model_name, directory, seed=seed)
     return directory
 
 
@@ -200,16 +192,15 @@ def compiled_logits(
     from compile_engine.compiler.config import CompileConfig
     from compile_engine.models.loader import load_model
 
-    harness_mod = tests_module("paged_harness")
+    from paged_harness import PagedHarness, run_schedule
+
     loaded = load_model(model_dir, dtype=ctx.dtype)
     compiled = CompiledForward(loaded.model, CompileConfig(target=ctx.target), ctx.dtype)
     manager = PassManager(list(passes), ctx)
     compiled.pass_manager = compiled.backend.pass_manager = manager
     if not inductor:
         compiled.backend.compile_piece = _eager_piece
-    harness = harness_mod.PagedHarness(
-        _CompiledModel(loaded.model, compiled), block_size=4, num_blocks=64
-    )
+    harness = PagedHarness(_CompiledModel(loaded.model, compiled), block_size=4, num_blocks=64)
     cfg = loaded.config
     compiled.capture(harness.kv_caches)
     if sequences is None:
@@ -217,7 +208,7 @@ def compiled_logits(
         sequences = [
             torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (13, 6, 21)
         ]
-    logits = harness_mod.run_schedule(harness, sequences, prefill_chunk, decode_tail)
+    logits = run_schedule(harness, sequences, prefill_chunk, decode_tail)
     if compiled.recompilations:
         raise KitError(f"the schedule recompiled the graph {compiled.recompilations} times")
     return logits, dict(manager.match_counts)
