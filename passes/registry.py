@@ -1,14 +1,26 @@
-"""The ordered pass registry. Order of registration is order of application."""
+"""The pass registry: `@register` records a pass, passes/pipeline.py orders them."""
 
 from __future__ import annotations
 
-from compile_engine.passes.base import GraphPass
+import importlib
+import pkgutil
 
+from compile_engine.passes.base import GraphPass
+from compile_engine.passes.pipeline import ORDER
+
+# Pass name -> instance, in pipeline order once load_all() has run.
 REGISTRY: dict[str, GraphPass] = {}
+
+# Runs whether selected or not: without it Inductor sees our ops as opaque Python kernels.
+ALWAYS = "lower_to_reference"
 
 
 class UnknownPassError(ValueError):
     """A --passes entry names a pass that is not registered."""
+
+
+class PipelineError(RuntimeError):
+    """passes/pipeline.py and the registered passes disagree."""
 
 
 def register(cls: type[GraphPass]) -> type[GraphPass]:
@@ -21,7 +33,8 @@ def register(cls: type[GraphPass]) -> type[GraphPass]:
 
 
 def select(spec: str | None) -> list[GraphPass]:
-    """Resolve `+name,-name` (relative to the defaults) or `name,name` (exactly these)."""
+    """Resolve `+name,-name` (relative to the defaults) or `name,name` (exactly these), in
+    pipeline order."""
     load_all()
     chosen = {name for name, p in REGISTRY.items() if p.default_on}
     if spec:
@@ -34,21 +47,24 @@ def select(spec: str | None) -> list[GraphPass]:
             if name not in REGISTRY:
                 raise UnknownPassError(f"unknown pass {name!r}; registered: {', '.join(REGISTRY)}")
             (chosen.add if sign == "+" else chosen.discard)(name)
-    # lower_to_reference always runs last: without it Inductor sees opaque Python kernels.
-    ordered = [p for name, p in REGISTRY.items() if name in chosen and name != "lower_to_reference"]
-    return ordered + [REGISTRY["lower_to_reference"]]
+    return [p for name, p in REGISTRY.items() if name in chosen or name == ALWAYS]
 
 
 def load_all() -> None:
-    """Import every pass module so that its @register runs (explicit, not at import of passes)."""
-    import compile_engine.passes.add_rms_norm_into_gemm  # noqa: F401  (before rms_norm_triton, skinny_gemm)
-    import compile_engine.passes.fuse_rotary_attention  # noqa: F401  (before paged_attention, rotary_triton)
-    import compile_engine.passes.lower_to_reference  # noqa: F401
-    import compile_engine.passes.mla_absorb  # noqa: F401
-    import compile_engine.passes.moe_grouped_gemm  # noqa: F401  (before the silu_and_mul passes)
-    import compile_engine.passes.paged_attention  # noqa: F401
-    import compile_engine.passes.rms_norm_triton  # noqa: F401
-    import compile_engine.passes.rotary_triton  # noqa: F401
-    import compile_engine.passes.silu_and_mul_helion  # noqa: F401
-    import compile_engine.passes.silu_and_mul_triton  # noqa: F401
-    import compile_engine.passes.skinny_gemm  # noqa: F401
+    """Import every module of the passes package, so that each pass's @register runs (here,
+    not when the package is imported), then put the registry in pipeline order. Importing by
+    discovery keeps file names out of the order: a renamed file registers the same pass."""
+    package = importlib.import_module(__package__)
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{__package__}.{module.name}")
+    registered, listed = set(REGISTRY), set(ORDER)
+    if registered != listed or len(ORDER) != len(listed):
+        raise PipelineError(
+            "passes/pipeline.py must name every registered pass exactly once: "
+            f"registered but not listed {sorted(registered - listed)}, "
+            f"listed but not registered {sorted(listed - registered)}, "
+            f"listed twice {sorted({n for n in ORDER if ORDER.count(n) > 1})}"
+        )
+    ordered = {name: REGISTRY[name] for name in ORDER}
+    REGISTRY.clear()
+    REGISTRY.update(ordered)
