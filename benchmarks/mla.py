@@ -275,8 +275,8 @@ def _random_loaded_model(layers: int | None, max_model_len: int):
 def bench_model(layers: int | None, batches: list[int], input_len: int, output_len: int) -> dict:
     from compile_engine.benchmarks.latency import run_once
     from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
-    from compile_engine.runtime.sampling_params import SamplingParams
     from compile_engine.runtime.engine import EngineConfig, LLMEngine
+    from compile_engine.runtime.sampling_params import SamplingParams
 
     max_model_len = 4096
     max_seqs = max(batches)

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from compile_engine.compiler.artifact import ArtifactError, Manifest
 from compile_engine import LLM, SamplingParams
+from compile_engine.compiler.artifact import ArtifactError, Manifest
 
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from tiny_models import TINY_ARCHS, make_tiny_model

@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from compile_engine.compiler import backend
 from compile_engine import LLM
+from compile_engine.compiler import backend
 
 from oracle import GREEDY, NEW_TOKENS, hf_greedy
 

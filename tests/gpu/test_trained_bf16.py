@@ -37,8 +37,8 @@ pytestmark = [
 def test_compiled_bf16_agrees_with_hf_bf16_on_smollm2(tmp_path):
     import transformers
 
-    from compile_engine.models.loader import export_hf_checkpoint, load_model
     from compile_engine import LLM
+    from compile_engine.models.loader import export_hf_checkpoint, load_model
 
     gguf = smollm2_gguf()
     llm = LLM(str(gguf), target="h100", dtype="bfloat16", num_kv_blocks=256, max_model_len=2048)

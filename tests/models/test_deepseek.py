@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
+from compile_engine import LLM
 from compile_engine.kernels_generated.mla_attention import make_batch
 from compile_engine.models import mla
 from compile_engine.models.deepseek import DeepseekConfig, softmax_scale
 from compile_engine.models.loader import load_model
 from compile_engine.models.moe import SparseMoE
-from compile_engine import LLM
 
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
 from paged_harness import PagedHarness, first_divergent_layer, run_schedule
