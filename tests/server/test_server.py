@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -142,6 +143,39 @@ def test_tokenize_detokenize(http):
     chat = http.post("/tokenize", json={"messages": PARIS}).json()
     assert chat["count"] > tokens["count"]
     assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+
+
+def test_the_tokenizer_runs_on_the_engine_thread_only(server, client, http, monkeypatch):
+    """Fast tokenizers must not be used from two threads at once, and the engine thread's
+    detokenizer uses it: every endpoint's tokenizer work (templates, prompts, logprob and echo
+    text, /tokenize, /detokenize) happens on that thread too, never on the event loop."""
+    tokenizer = server.engine.tokenizer
+    engine_thread = server.in_engine_thread(threading.get_ident)
+    calls: list[tuple[str, int]] = []
+
+    def spy(name: str):
+        real = getattr(tokenizer, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, threading.get_ident()))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("encode", "decode", "batch_decode", "apply_chat_template"):
+        monkeypatch.setattr(tokenizer, name, spy(name))
+    kwargs = dict(model=MODEL_NAME, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    for prompt, stream in [("Spy on me", False), ([504, 3209], False), ([504, 3209], True)]:
+        list(client.completions.create(prompt=prompt, stream=stream, **kwargs))
+    chat = dict(model=MODEL_NAME, messages=PARIS, max_tokens=3, logprobs=True, top_logprobs=2)
+    for stream in (False, True):
+        list(client.chat.completions.create(stream=stream, **chat))
+    http.post("/tokenize", json={"prompt": "Hello"}).raise_for_status()
+    http.post("/tokenize", json={"messages": PARIS}).raise_for_status()
+    http.post("/detokenize", json={"tokens": [504, 3209]}).raise_for_status()
+    monkeypatch.undo()
+    assert {"encode", "decode", "apply_chat_template"} <= {name for name, _ in calls}
+    assert {thread for _, thread in calls} == {engine_thread}
 
 
 def test_metrics_names(http):
