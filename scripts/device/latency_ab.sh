@@ -1,8 +1,9 @@
 #!/bin/bash
 # A/B (or A/B/C/...) of engine variants by `bench latency` in one device call, the runs
-# alternating (A B A B ...) so that clock and power drift land on all. A variant is a quoted string of
-# bench arguments and VAR=value settings, e.g. "" (the defaults), "--passes=-rotary_into_attention"
-# or "COMPILE_ENGINE_TILED_PREFILL=1". Usage on the device, from the repo root:
+# alternating (A B A B ...) so that clock and power drift land on all. A variant is a quoted
+# string of bench arguments (scripts/device/ab.sh), e.g. "" (the defaults),
+# "--passes=-rotary_into_attention" or '--kernel-config={"pdl":false}'. Usage on the device,
+# from the repo root:
 #   bash scripts/device/latency_ab.sh <commit> <batch sizes> <rounds> "<variant A>" "<variant B>" ...
 #   e.g. bash scripts/device/latency_ab.sh abc1234 1,64,256 2 "" "--passes=-rotary_into_attention"
 # Rounds after the first time only the largest batch size (the noisiest, power-capped one),

@@ -29,7 +29,7 @@ echo "== model ready at $(elapsed) s"
 # text: without one, each stream is a single chunk and TTFT/TPOT/ITL mean nothing. A word-level
 # tokenizer (token i <-> "t{i}") makes every token its own chunk; tokenizer files are not part
 # of an artifact's fingerprint. A no-op when the model already has a tokenizer.
-python3 -c "import sys; from benchmarks.serve import add_word_tokenizer as add; \
+python3 -c "import sys; from compile_engine.benchmarks.serve import add_word_tokenizer as add; \
 print('== tokenizer:', add(sys.argv[1]) or 'already present')" "$MODEL" 2>&1 | tail -1
 
 # SIGTERM on timeout reaches the benchmark (which stops its server) and the server itself

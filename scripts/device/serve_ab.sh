@@ -1,9 +1,9 @@
 #!/bin/bash
 # A/B (or A/B/C) of engine variants under `bench serve` (512/256 at concurrency 256) in one device
 # call, the runs alternating as in latency_ab.sh (scripts/device/ab.sh). A variant is a quoted
-# string of bench serve / engine flags and VAR=value settings that the launched server inherits,
-# e.g. "" (the defaults), "--passes=+add_rms_norm_into_gemm", "COMPILE_ENGINE_PDL=0" or
-# "COMPILE_ENGINE_SKINNY_GEMM_CONFIGS=scripts/device/skinny_gemm_mlp_cublas.json". Usage:
+# string of bench serve / engine flags, which the launched server gets, e.g. "" (the defaults),
+# "--passes=-add_rms_norm_into_gemm", "--max-cuda-graph-tokens 512" or
+# '--kernel-config={"pdl":false}'. Usage:
 #   bash scripts/device/serve_ab.sh <commit> <rounds> "<variant A>" "<variant B>" ...
 # NUM_PROMPTS (768 here: 3 waves, ~1 minute a run at 8k tok/s) and MODEL as for serve.sh. The
 # first run of a variant builds its artifact (~50 s). Each run's JSON comes back as
