@@ -310,15 +310,14 @@ def test_chat_template_kwargs_reach_the_template(server, client, http):
     """vLLM's chat_template_kwargs: template variables (Qwen3 clients send enable_thinking);
     apply_chat_template's own arguments are refused by name."""
     import copy
-    import types
 
-    from compile_engine.runtime.server import _chat_prompt
+    from compile_engine.runtime.server_openai import chat_prompt
 
-    tokenizer = copy.deepcopy(server.engine.tokenizer)
+    # Copied on the engine thread; the test thread alone uses the copy.
+    tokenizer = server.in_engine_thread(lambda: copy.deepcopy(server.engine.tokenizer))
     tokenizer.chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
-    state = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=tokenizer))
-    quiet = _chat_prompt(state, HI, False)
-    loud = _chat_prompt(state, HI, False, {"shout": True})
+    quiet = chat_prompt(tokenizer, HI, False)
+    loud = chat_prompt(tokenizer, HI, False, {"shout": True})
     assert tokenizer.decode(loud) == "LOUD Hi" and tokenizer.decode(quiet) == "Hi"
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=HI, max_tokens=2,

@@ -1,0 +1,348 @@
+"""The OpenAI routes: POST /v1/completions and POST /v1/chat/completions, each answered in
+full or streamed over SSE, with logprobs in each endpoint's own shape.
+
+A request becomes SamplingParams here (OpenAI's fields and vLLM's extras, docs/server.md); its
+prompts run as one `Run` (runtime/server_stream.py). The tokenizer work a request needs (a chat
+template, the text echo shows of a token-id prompt) runs on the engine thread; token texts come
+from the app state's table, never from the tokenizer on the event loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from compile_engine.runtime.engine import CompletionOutput, RequestOutput
+from compile_engine.runtime.model_runner import TokenLogprobs
+from compile_engine.runtime.protocol import (
+    MAX_PROMPTS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from compile_engine.runtime.sampling_params import InvalidSamplingParams, SamplingParams
+from compile_engine.runtime.server_common import STATE, State, check_model, read_json
+from compile_engine.runtime.server_stream import (
+    Choice,
+    Run,
+    collect,
+    stream,
+    total_usage,
+    usage_chunk,
+)
+
+# Temperatures this small are greedy in effect, and dividing logits by them overflows.
+_GREEDY_EPS = 1e-5
+# A logprob of -inf is not JSON; OpenAI and vLLM report this floor instead.
+_MIN_LOGPROB = -9999.0
+
+
+def _sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, **fields: Any
+) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **fields,
+    )
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if 0 < kwargs.get("temperature", 1.0) < _GREEDY_EPS:  # negative ones are refused below
+        kwargs["temperature"] = 0.0
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidSamplingParams as exc:
+        param = str(exc).split("=", 1)[0]
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB
+
+
+# -- /v1/completions --------------------------------------------------------------------------
+
+
+def _completion_logprobs(
+    state: State, entries: list[TokenLogprobs], offset: int
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy completions logprobs for `entries`; returns it and the next offset."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for entry in entries:
+        text = state.token_text(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(_finite(entry.logprob))
+        top = {state.token_text(t): _finite(lp) for t, lp in entry.top}
+        top.setdefault(text, _finite(entry.logprob))
+        top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(text)
+    body = {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+    return body, offset
+
+
+def _echo_logprobs(state: State, prompt_token_ids: list[int]) -> tuple[dict[str, Any], int]:
+    """The prompt's part of echoed logprobs: tokens without logprobs (the engine computes no
+    prompt logprobs), so clients that zip the lists still line up."""
+    tokens = [state.token_text(t) for t in prompt_token_ids]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    none = [None] * len(tokens)
+    body = {"tokens": tokens, "token_logprobs": none, "top_logprobs": none, "text_offset": offsets}
+    return body, offset
+
+
+def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
+
+
+def _echo_texts(tokenizer, prompts: list[str | list[int]]) -> list[str]:
+    """What echo shows of each prompt: a string as sent, token ids as the tokenizer decodes
+    them. Run on the engine thread."""
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await read_json(request, CompletionRequest)
+    check_model(state, req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of must equal n", param="best_of", code="unsupported")
+    prompts = req.prompts()
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(
+            400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code="invalid_value"
+        )
+    if any(len(p) == 0 for p in prompts):
+        # Caught here: the scheduler's RequestTooLong would answer context_length_exceeded, on
+        # which clients shorten the prompt.
+        raise APIError(
+            400, "a prompt is empty; send at least one token", param="prompt", code="invalid_value"
+        )
+    tokenizer = state.engine.tokenizer
+    if any(isinstance(p, str) for p in prompts) and tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+    want_logprobs = req.logprobs is not None
+    if tokenizer is None and (want_logprobs or req.echo):
+        param = "logprobs" if want_logprobs else "echo"
+        raise APIError(400, f"this model has no tokenizer to give {param} its text", param=param)
+    params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    llm = state.async_llm()
+    echo_texts: list[str] = []
+    if req.echo:
+        if all(isinstance(p, str) for p in prompts):
+            echo_texts = prompts
+        else:
+            echo = functools.partial(_echo_texts, tokenizer, prompts)
+            echo_texts = await llm.run_in_engine_thread(echo)
+    run = Run(llm, response_id, len(prompts))
+    await run.start(prompts, params, req.cache_salt)
+    head = {"id": response_id, "object": "text_completion", "created": created}
+    head["model"] = state.model_name
+
+    if req.stream:
+
+        def chunks(out: RequestOutput, c: CompletionOutput, choice: Choice) -> list[dict]:
+            text, logprobs = c.delta_text, None
+            if not choice.started:
+                choice.started = True
+                if req.echo:
+                    text = echo_texts[run.prompt_index[out.request_id]] + text
+                    if want_logprobs:
+                        logprobs, choice.text_offset = _echo_logprobs(state, out.prompt_token_ids)
+            if want_logprobs:
+                new = (c.logprobs or [])[choice.num_logprobs :]
+                choice.num_logprobs += len(new)
+                mine, choice.text_offset = _completion_logprobs(state, new, choice.text_offset)
+                logprobs = _merge_logprobs(logprobs, mine) if logprobs else mine
+            # A new token always makes a chunk, even with no text yet (a model without a
+            # tokenizer, or a held-back partial character): clients time tokens by chunks.
+            if (
+                not text
+                and not c.delta_token_ids
+                and not (logprobs and logprobs["tokens"])
+                and c.finish_reason is None
+            ):
+                return []
+            index = run.prompt_index[out.request_id] * req.n + c.index
+            body = {"index": index, "text": text, "logprobs": logprobs}
+            body |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            return [head | {"choices": [body]}]
+
+        return await stream(request, run, chunks, usage_chunk(req, head), req.n)
+
+    try:
+        final = await collect(run)
+    finally:
+        run.abort()
+    choices = []
+    for rid in run.ids:
+        out = final[rid]
+        for c in out.outputs:
+            text, logprobs = c.text, None
+            offset = 0
+            if req.echo:
+                text = echo_texts[run.prompt_index[rid]] + text
+                if want_logprobs:
+                    logprobs, offset = _echo_logprobs(state, out.prompt_token_ids)
+            if want_logprobs:
+                mine, _ = _completion_logprobs(state, c.logprobs or [], offset)
+                logprobs = _merge_logprobs(logprobs, mine) if logprobs else mine
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    body = head | {"choices": choices, "usage": total_usage([final[r] for r in run.ids])}
+    return web.json_response(body)
+
+
+# -- /v1/chat/completions ---------------------------------------------------------------------
+
+
+def chat_prompt(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    variables: dict[str, Any] | None = None,
+) -> list[int]:
+    """The prompt's token ids; `variables` (chat_template_kwargs) reach the template. Run on
+    the engine thread (also for /tokenize)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(variables or {}),
+        )  # fmt: skip
+    except Exception as exc:  # jinja raises for conversations the template refuses
+        raise APIError(
+            400, f"the chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _chat_logprobs(state: State, entries: list[TokenLogprobs], k: int) -> list[dict[str, Any]]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    return [
+        item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top[:k]]}
+        for e in entries
+    ]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await read_json(request, ChatCompletionRequest)
+    check_model(state, req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(
+            400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+        )
+    top_k = req.top_logprobs or 0
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    params = _sampling_params(req, max_tokens=max_tokens, logprobs=top_k if req.logprobs else None)
+    llm = state.async_llm()
+    messages = [m.template_dict() for m in req.messages]
+    template = functools.partial(
+        chat_prompt,
+        state.engine.tokenizer,
+        messages,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+    )
+    prompt = await llm.run_in_engine_thread(template)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    run = Run(llm, response_id, 1)
+    await run.start([prompt], params, req.cache_salt)
+    head = {"id": response_id, "object": "chat.completion", "created": int(time.time())}
+    head["model"] = state.model_name
+
+    if req.stream:
+        head["object"] = "chat.completion.chunk"
+
+        def chunks(out: RequestOutput, c: CompletionOutput, choice: Choice) -> list[dict]:
+            result = []
+            if not choice.started:
+                choice.started = True
+                opening = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                opening |= {"logprobs": None, "finish_reason": None}
+                result.append(head | {"choices": [opening]})
+            logprobs = None
+            if req.logprobs:
+                new = (c.logprobs or [])[choice.num_logprobs :]
+                choice.num_logprobs += len(new)
+                if new:
+                    logprobs = {"content": _chat_logprobs(state, new, top_k)}
+            if c.delta_text or logprobs or c.finish_reason is not None:
+                delta = {"content": c.delta_text} if c.delta_text else {}
+                body = {"index": c.index, "delta": delta, "logprobs": logprobs}
+                body |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                result.append(head | {"choices": [body]})
+            return result
+
+        return await stream(request, run, chunks, usage_chunk(req, head), req.n)
+
+    try:
+        final = await collect(run)
+    finally:
+        run.abort()
+    out = final[run.ids[0]]
+    choices = []
+    for c in out.outputs:
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": _chat_logprobs(state, c.logprobs or [], top_k)}
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return web.json_response(head | {"choices": choices, "usage": total_usage([out])})
