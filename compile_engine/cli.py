@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from compile_engine.compiler.build import build_artifact
+    from compile_engine.kernels_generated.tuning import KernelConfig
     from compile_engine.runtime.activation_profile import build_step
     from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
@@ -69,6 +70,7 @@ def _build(args: argparse.Namespace) -> int:
         max_cuda_graph_tokens=args.max_cuda_graph_tokens,
         block_size=args.block_size,
         passes=args.passes,
+        kernel_config=KernelConfig.coerce(args.kernel_config),
         progress=progress,
         # The KV pool's activation reserve for the step sizes of `serve` and of `LLM` with
         # these settings, so that a first start finds it measured.
@@ -114,6 +116,12 @@ def _inspect(args: argparse.Namespace) -> int:
     sizes = manifest.capture_sizes
     print(f"graphs     {f'captured at serve start for {sizes}' if sizes else 'none (CPU)'}")
     print(f"kernels    {len(manifest.kernels)} files under kernels/")
+    tuning = manifest.kernel_config
+    settings = tuning.get("settings", {})
+    scalars = ", ".join(f"{k} {v}" for k, v in settings.items() if k not in ("attention", "tables"))
+    print(f"tuning     key {tuning.get('key')}: {scalars}")
+    for kernel, table in tuning.get("tables", {}).items():
+        print(f"  table {kernel}: {table['file']} ({table['sha256']})")
     print("timings    " + ", ".join(f"{k} {v}" for k, v in manifest.timings.items()))
     return 0
 
@@ -187,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("--block-size", type=int, default=16)
     build.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
+    build.add_argument(
+        "--kernel-config", default=None, help="our kernels' launch choices as JSON (see serve)"
+    )
     build.set_defaults(func=_build)
 
     inspect = sub.add_parser("inspect", help="describe an artifact")
@@ -221,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).info("Python bytecode cached under %s", prefix)
     from compile_engine.compiler.artifact import ArtifactError
     from compile_engine.compiler.config import CompileConfigError
+    from compile_engine.kernels_generated.tuning import KernelConfigError
     from compile_engine.models.errors import ModelError
     from compile_engine.passes.registry import UnknownPassError
     from compile_engine.runtime.engine import EngineConfigError
@@ -233,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         ArtifactError,
         CompileConfigError,
         UnknownPassError,
+        KernelConfigError,
         FileExistsError,
     )
     try:

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from compile_engine.compiler.config import INDUCTOR_PDL_ENV, CompileConfig, inductor_pdl
+from compile_engine.kernels_generated.tuning import KernelConfig
 
-FORMAT_VERSION = 1
+# 2: the kernel config recorded (kernel_config), Inductor's PDL setting no longer (always off).
+FORMAT_VERSION = 2
 ENGINE_VERSION = "0.1.0"
 CODE_PACKAGES = ("models", "passes", "compiler", "kernels_generated")
 
@@ -110,9 +111,9 @@ class Manifest:
     tokenizer_class: str | None = None
     # Set when the source needed conversion (GGUF): an HF directory inside the artifact.
     weights_path: str | None = None
-    # Inductor's PDL (compiler/config.py): part of Inductor's cache key, so a load with the
-    # other setting would compile every piece again. False in older artifacts (it was off).
-    inductor_pdl: bool = False
+    # The KernelConfig the build compiled with (kernels_generated/tuning.py, `describe()`): a
+    # load runs the same kernels with the same settings, whatever its environment.
+    kernel_config: dict = field(default_factory=dict)
     format: int = FORMAT_VERSION
     engine_version: str = ENGINE_VERSION
 
@@ -127,6 +128,7 @@ class Manifest:
             self.versions.get("torch"),
             self.versions.get("triton"),
             self.pass_manager_uuid,
+            self.kernel_config.get("key"),
         ]
         return hashlib.sha256(json.dumps(factors).encode()).hexdigest()[:16]
 
@@ -151,6 +153,10 @@ class Manifest:
             )
         return cls(**data)
 
+    def kernel(self) -> KernelConfig:
+        """The kernel config the artifact was built with, rebuilt from its settings."""
+        return KernelConfig.from_dict(self.kernel_config.get("settings", {}))
+
     def rebuild_hint(self, directory: Path) -> str:
         return (
             f"rebuild with: compile-engine build {self.model_path} --target {self.target} "
@@ -169,12 +175,8 @@ class Manifest:
             )
         if self.code_hash != code_hash():
             problems.append("engine code that has changed since (models/passes/compiler)")
-        here_pdl = inductor_pdl(CompileConfig(target=self.target))
-        if self.inductor_pdl != here_pdl:
-            problems.append(
-                f"{INDUCTOR_PDL_ENV}={int(self.inductor_pdl)} (this process: {int(here_pdl)}; "
-                "set it as the build had it, or rebuild)"
-            )
+        if self.kernel().key != self.kernel_config.get("key"):
+            problems.append("kernel tuning tables as they were then (a table file changed)")
         if self.target == "h100" and not torch.cuda.is_available():
             problems.append("target h100, but this machine has no CUDA device")
         elif device_description(self.target) != self.device:

@@ -22,12 +22,14 @@ from compile_engine.compiler.artifact import (
     versions,
 )
 from compile_engine.compiler.compiled_model import CompiledForward
-from compile_engine.compiler.config import CompileConfig, inductor_pdl
+from compile_engine.compiler.config import CompileConfig
 from compile_engine.compiler.cuda_graphs import (
     MAX_GRAPH_TOKENS,
     CUDAGraphRunner,
     default_capture_sizes,
 )
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.config import config_to_dict
 from compile_engine.models.loader import LoadedModel, export_hf_checkpoint, load_model
 from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
@@ -63,12 +65,15 @@ def build_artifact(
     max_cuda_graph_tokens: int | None = None,
     block_size: int = 16,
     passes: str | None = None,
+    kernel_config: KernelConfig | None = None,
     progress: Callable[[str, float], None] | None = None,
     extra_steps: dict[str, BuildStep] | None = None,
 ) -> Manifest:
     """Compile `model` for `target` into the artifact directory `out`; return its manifest.
     max_cuda_graph_tokens (None: MAX_GRAPH_TOKENS) bounds the graph sizes warmed up here, so
-    that serve's graphs of the same bound find their kernels in the artifact."""
+    that serve's graphs of the same bound find their kernels in the artifact. kernel_config:
+    our kernels' launch choices (None: the defaults), recorded in the manifest."""
+    kernel_config = kernel_config or tuning.default()
     max_cuda_graph_tokens = max_cuda_graph_tokens or MAX_GRAPH_TOKENS
     say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
     out = Path(out).resolve()
@@ -90,7 +95,9 @@ def build_artifact(
     kv_caches = [
         torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
     ]
-    config = CompileConfig(target=target, passes=passes, cache_dir=out / CACHE_SUBDIR)
+    config = CompileConfig(
+        target=target, passes=passes, cache_dir=out / CACHE_SUBDIR, kernel=kernel_config
+    )
     compiled = CompiledForward(loaded.model, config, loaded.dtype)
     before = _generated_modules()
     compiled.capture(kv_caches)
@@ -181,7 +188,7 @@ def build_artifact(
         capture_sizes=capture_sizes,
         model_config=config_to_dict(cfg),
         tokenizer_class=tokenizer_class,
-        inductor_pdl=inductor_pdl(CompileConfig(target=target)),
+        kernel_config=kernel_config.describe(),
         timings=dict(
             load_s=round(t_load, 2),
             trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),

@@ -123,7 +123,9 @@ class CompiledForward:
     def __init__(self, model: nn.Module, config: CompileConfig, dtype: torch.dtype) -> None:
         self.config = config
         self.cache_dir = apply_inductor_settings(config)
-        self.pass_manager = PassManager(select(config.passes), PassContext(config.target, dtype))
+        self.pass_manager = PassManager(
+            select(config.passes), PassContext(config.target, dtype, config.kernel)
+        )
         self.backend = PiecewiseBackend(self.pass_manager)
         self.model = model
         self._fn = torch.compile(

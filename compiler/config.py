@@ -7,8 +7,11 @@ build or load time (STYLE #12).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.tuning import KernelConfig
 
 TARGETS = ("cpu", "h100")
 
@@ -22,6 +25,7 @@ class CompileConfig:
     target: str = "cpu"
     passes: str | None = None  # "+name,-name" relative to the defaults, or "a,b" exactly
     cache_dir: Path | None = None  # Inductor + Triton cache; an artifact ships its own
+    kernel: KernelConfig = field(default_factory=tuning.default)  # our kernels' launch choices
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -37,18 +41,6 @@ def default_cache_dir() -> Path:
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "compile-engine" / "inductor"
-
-
-INDUCTOR_PDL_ENV = "TORCHINDUCTOR_ENABLE_PDL"
-
-
-def inductor_pdl(config: CompileConfig) -> bool:
-    """Whether Inductor's kernels use programmatic dependent launch: on the h100 target only
-    when TORCHINDUCTOR_ENABLE_PDL (Inductor's own switch) says 1."""
-    from compile_engine.kernels_generated.device import env_switch  # torch, imported by then anyway
-
-    on = env_switch(INDUCTOR_PDL_ENV, default=False, error=CompileConfigError)
-    return config.target == "h100" and on
 
 
 def pin_triton_toolchain() -> None:
@@ -91,13 +83,12 @@ def apply_inductor_settings(config: CompileConfig) -> Path:
     # ISA still comes from the CPU's flags, and build and load must agree on this setting
     # because it enters Inductor's cache key.
     inductor_config.cpp.vec_isa_ok = True
-    # Programmatic dependent launch for Inductor's Triton kernels: off unless
-    # TORCHINDUCTOR_ENABLE_PDL=1. With ours off it took batch 1 from 226.6 / 226.2 to 233.2 /
-    # 234.3 tok/s (9f6b2fa); with ours on (the default since 70ccb5a) 234.3 / 234.9 against
-    # 233.7 / 234.2, batch 64 13,097 against 13,212 (465b34f, H200, one call): within the
-    # spread, so it stays off. Its load-time recompiles (2bf3115) were ours and are gone (see
-    # pin_triton_toolchain). It enters Inductor's cache key, so build and load must agree.
-    inductor_config.triton.enable_pdl = inductor_pdl(config)
+    # No programmatic dependent launch for Inductor's own Triton kernels (ours have it, by the
+    # kernel config): with ours on, 234.3 / 234.9 tok/s at batch 1 against 233.7 / 234.2 off,
+    # batch 64 13,097 against 13,212 (465b34f, H200, one call), within the spread. Set here,
+    # whatever TORCHINDUCTOR_ENABLE_PDL says: it enters Inductor's cache key, so build and load
+    # must agree.
+    inductor_config.triton.enable_pdl = False
     if config.target == "h100":
         pin_triton_toolchain()
     # Floats such as eps stay constants in the graph instead of becoming inputs.

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.layers import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ PAGED_ATTENTION_PASSES = ("paged_attention_triton", "rotary_into_attention")
 
 def short_table_widths(
     match_counts: dict[str, int],
+    kernel_config: KernelConfig,
     num_kv_heads: int,
     capture_sizes: list[int],
     block_size: int,
@@ -80,16 +82,15 @@ def short_table_widths(
     """For each capture size whose paged attention runs unsplit on a narrower block table than
     the full one (`unsplit_context`), that table's width in blocks: the runner captures a
     second graph there. Empty when the compiled forward (its passes' `match_counts`) has no
-    paged-attention kernel."""
+    paged-attention kernel; the split policy is the kernel config's."""
     if not any(match_counts.get(name) for name in PAGED_ATTENTION_PASSES):
         return {}
-    from compile_engine.kernels_generated.paged_attention import (
-        unsplit_context,  # imported by those passes
-    )
+    # Imported by those passes already (here only when one of them matched).
+    from compile_engine.kernels_generated.paged_attention import unsplit_context
 
     widths = {}
     for size in capture_sizes:
-        blocks = unsplit_context(size, num_kv_heads, device) // block_size
+        blocks = unsplit_context(kernel_config, size, num_kv_heads, device) // block_size
         if 0 < blocks < max_blocks_per_seq:
             widths[size] = blocks
     return widths
@@ -151,8 +152,8 @@ class CUDAGraphRunner:
         capture both make, so that they compile and capture the same graphs."""
         max_blocks = -(-max_model_len // block_size)
         widths = short_table_widths(
-            compiled.pass_manager.match_counts, num_kv_heads, capture_sizes, block_size,
-            max_blocks, device,
+            compiled.pass_manager.match_counts, compiled.config.kernel, num_kv_heads,
+            capture_sizes, block_size, max_blocks, device,
         )  # fmt: skip
         return cls(
             compiled, kv_caches, capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,

@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import (
     CONFIG_DIR,
     TARGET_OF_DEVICE,
@@ -49,6 +50,7 @@ from compile_engine.kernels_generated.configs import (
     tuning_provenance,
 )
 from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import (
     add_rms_norm_fake,
     add_rms_norm_ref,
@@ -126,19 +128,16 @@ INTERPRETED = not isinstance(_rms_norm_kernel, JITFunction)
 # --------------------------------------------------------------------------- configs
 
 
-@functools.cache
-def config_table() -> ConfigTable:
-    return ConfigTable.load(CONFIG_FILE)
-
-
 def shape_key(num_rows: int, hidden: int) -> dict[str, int]:
     return {"H": hidden, "T": bucket_tokens(num_rows)}
 
 
 @functools.cache
-def config_for(target: str, rows_bucket: int, hidden: int) -> dict:
-    """The launch config of a shape class (cached: looked up once per class, not per call)."""
-    return config_table().lookup(target, {"H": hidden, "T": rows_bucket})
+def config_for(tuning_key: str, target: str, rows_bucket: int, hidden: int) -> dict:
+    """The launch config of a shape class in the kernel config's table (cached: looked up once
+    per class, not per call)."""
+    table = tuning.resolve(tuning_key).table("add_rms_norm")
+    return table.lookup(target, {"H": hidden, "T": rows_bucket})
 
 
 # --------------------------------------------------------------------------- launcher
@@ -190,9 +189,11 @@ def rms_norm_triton(
     residual: Tensor | None = None,
     *,
     num_warps: int | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x) or, with `residual`, (rms_norm(x + residual), x + residual); the same
-    contract as `models.ops.rms_norm` / `add_rms_norm`. num_warps overrides the config."""
+    contract as `models.ops.rms_norm` / `add_rms_norm`. The launch config comes from
+    kernel_config's table (None: the defaults); num_warps overrides it."""
     _validate(x, weight, residual)
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
@@ -215,7 +216,8 @@ def rms_norm_triton(
         out_k, ro_k = out_k.view(-1, hidden), ro_k.view(-1, hidden)
 
     target = TARGET_OF_DEVICE[x.device.type]
-    config = config_for(target, bucket_tokens(num_rows), hidden)
+    kernel_config = kernel_config or tuning.default()
+    config = config_for(kernel_config.key, target, bucket_tokens(num_rows), hidden)
     rows_inner, sxo, sxi = _rows(x_k)
     _, sro, sri = _rows(r_k)
     _, soo, soi = _rows(out_k)
@@ -249,25 +251,34 @@ def rms_norm_triton(
     return out if residual_out is None else (out, residual_out)
 
 
-# The ops the rms_norm_triton pass swaps in for ce::rms_norm and ce::add_rms_norm: the same
-# schemas and fakes, opaque to Dynamo and Inductor (torch.library.triton_op fails under
-# torch.compile on CPU, where the interpreter would run on fake tensors).
+# The ops the rms_norm_triton pass swaps in for ce::rms_norm and ce::add_rms_norm: their
+# schemas and the kernel config's key (tuning.py), opaque to Dynamo and Inductor
+# (torch.library.triton_op fails under torch.compile on CPU, where the interpreter would run
+# on fake tensors).
 @torch.library.custom_op("ce_kernels::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, tuning_key: str) -> Tensor:
     """`ce::rms_norm` computed by the Triton kernel."""
-    return rms_norm_triton(x, weight, eps)
+    return rms_norm_triton(x, weight, eps, kernel_config=tuning.resolve(tuning_key))
 
 
-rms_norm.register_fake(rms_norm_fake)
+@rms_norm.register_fake
+def _rms_norm_kernel_fake(x: Tensor, weight: Tensor, eps: float, tuning_key: str) -> Tensor:
+    return rms_norm_fake(x, weight, eps)
 
 
 @torch.library.custom_op("ce_kernels::add_rms_norm", mutates_args=())
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, tuning_key: str
+) -> tuple[Tensor, Tensor]:
     """`ce::add_rms_norm` computed by the Triton kernel: (rms_norm(x + r), x + r)."""
-    return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_triton(x, weight, eps, residual, kernel_config=tuning.resolve(tuning_key))
 
 
-add_rms_norm.register_fake(add_rms_norm_fake)
+@add_rms_norm.register_fake
+def _add_rms_norm_kernel_fake(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, tuning_key: str
+) -> tuple[Tensor, Tensor]:
+    return add_rms_norm_fake(x, residual, weight, eps)
 
 
 # --------------------------------------------------------------------------- check, bench, tune
@@ -297,8 +308,9 @@ def check(
         x = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
         r = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
         weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(dtype)
-        pairs = [(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))]
-        got, want = add_rms_norm(x, r, weight, 1e-5), add_rms_norm_ref(x, r, weight, 1e-5)
+        key = tuning.default().key
+        pairs = [(rms_norm(x, weight, 1e-5, key), rms_norm_ref(x, weight, 1e-5))]
+        got, want = add_rms_norm(x, r, weight, 1e-5, key), add_rms_norm_ref(x, r, weight, 1e-5)
         pairs += list(zip(got, want, strict=True))
         for got, want in pairs:
             torch.testing.assert_close(got, want, **tolerance(dtype))
@@ -327,7 +339,8 @@ def bench(shapes: tuple[tuple[int, int], ...] = REAL_SHAPES) -> list[dict]:
         w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
         moved = moved_bytes(num_rows, hidden, 2, residual=True)
         row = {"T": num_rows, "H": hidden}
-        for name, fn in (("triton", add_rms_norm), ("reference", add_rms_norm_ref)):
+        triton_fn = lambda x, r, w, eps: rms_norm_triton(x, w, eps, r)  # noqa: E731
+        for name, fn in (("triton", triton_fn), ("reference", add_rms_norm_ref)):
             us = graph_us(lambda fn=fn, x=x, r=r, w=w: fn(x, r, w, 1e-5))
             row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
         rows.append(row)
@@ -375,7 +388,7 @@ def tune(
     )
     if write:
         print(f"wrote {table.save()}")
-    config_table.cache_clear()
+    tuning.table_written()
     config_for.cache_clear()
     return table
 

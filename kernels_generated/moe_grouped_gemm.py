@@ -40,8 +40,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from compile_engine.kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, ConfigTable
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE
 from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.moe import (
     align_capacity,
     moe_align_ref,
@@ -204,20 +206,22 @@ INTERPRETED = not isinstance(_moe_gemm_kernel, JITFunction)
 # --------------------------------------------------------------------------- launchers
 
 
-@functools.cache
-def config_table() -> ConfigTable:
-    return ConfigTable.load(CONFIG_FILE)
-
-
 def shape_key(num_experts: int, hidden: int, inter: int, num_slots: int) -> dict[str, int]:
     return {"E": num_experts, "H": hidden, "I": inter, "M": max(num_slots, 1)}
 
 
 def pick_config(
-    num_experts: int, hidden: int, inter: int, num_slots: int, device: torch.device
+    kernel_config: KernelConfig,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    num_slots: int,
+    device: torch.device,
 ) -> dict:
+    """The tiles of the kernel config's table nearest this shape."""
     target = TARGET_OF_DEVICE.get(device.type, device.type)
-    return config_table().lookup(target, shape_key(num_experts, hidden, inter, num_slots))
+    table = kernel_config.table("moe_grouped_gemm")
+    return table.lookup(target, shape_key(num_experts, hidden, inter, num_slots))
 
 
 def _device_guard(t: Tensor):
@@ -336,15 +340,19 @@ def fused_experts(
     topk_weights: Tensor,
     topk_ids: Tensor,
     config: dict | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] ->
     sum_k topk_weights[t, k] * expert_k(x[t]), [T, H]. config: tiles as in the config file
-    (default: the nearest entry for this shape and device)."""
+    (default: the entry of kernel_config's table nearest this shape and device)."""
     _check_device(x)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     if config is None:
-        config = pick_config(num_experts, hidden, two_inter // 2, num_tokens * top_k, x.device)
+        config = pick_config(
+            kernel_config or tuning.default(), num_experts, hidden, two_inter // 2,
+            num_tokens * top_k, x.device,
+        )  # fmt: skip
     sorted_ids, block_expert = moe_align_triton(topk_ids, num_experts, config["BLOCK_M"])
     act = moe_gemm_triton(x, w13, sorted_ids, block_expert, top_k, config["gemm1"], silu=True)
     y = moe_gemm_triton(
@@ -368,14 +376,18 @@ def fused_experts_ref(
 # fails under torch.compile on CPU, where the interpreter would run on fake tensors).
 @torch.library.custom_op("ce_kernels::moe_fused_experts", mutates_args=())
 def moe_fused_experts(
-    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, tuning_key: str
 ) -> Tensor:
-    """Routed experts of one MoE layer: align + grouped GEMMs (silu fused) + combine."""
-    return fused_experts(x, w13, w2, topk_weights, topk_ids)
+    """Routed experts of one MoE layer: align + grouped GEMMs (silu fused) + combine, tiles
+    from the kernel config whose key the pass gave (tuning.py)."""
+    kernel_config = tuning.resolve(tuning_key)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, kernel_config=kernel_config)
 
 
 @moe_fused_experts.register_fake
-def _(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def _(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, tuning_key: str
+) -> Tensor:
     return x.new_empty((topk_ids.shape[0], w2.shape[1]))
 
 

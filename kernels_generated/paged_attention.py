@@ -40,24 +40,23 @@ the registers that hold it for the KV write, after the loops: a decode token's l
 step's keys then does nothing (H200, `bench breakdown`: attention 255 / 371 / 1,300 -> 235 /
 351 / 1,215 us a step at batch 1 / 64 / 256).
 
-Query-tiled prefill variant (`tiled=True`; chosen by shapes, COMPILE_ENGINE_TILED_PREFILL=0
-switches the automatic choice off). The single-token kernel re-reads a prefill chunk's keys
-once per query token with 16-row dots; this one runs a program per (query tile, KV head), a
-tile being up to BLOCK_M consecutive tokens of one sequence, and puts the tile's BLOCK_M
-tokens x group heads (the group rounded up to a power of two) on the dot's rows, 64 on
-CUDA. Sequence b's tiles are numbered from `query_start_loc[b] // BLOCK_M + b` and found by
-binary search, the padding past `query_start_loc[-1]` counting as one more sequence, so the
-grid `(T // BLOCK_M + B + 1, Hkv)` is an upper bound from shapes only (programs without a
-tile do nothing; CUDA-graph safe). Keys run up to the tile's last query position, masked
-causally per row; the KV write is fused with the same contract (each token's K/V written
-once, by its tile's program; this step's keys read from the k/v inputs). One-token
-(decode) sequences are skipped: a second launch of the single-token kernel, gridded over
-sequences (`BY_SEQ`), serves them, so a mixed batch's decodes waste no dot rows. The two
-launches touch disjoint tokens. `choose_tiled` takes the variant for batches with at least
-two tokens per sequence slot, never split. On the H200 at 9488c66 (bf16, Llama-3-8B heads)
-four 512-token chunks take 0.055 ms against 0.342 ms single-token, 0.321 against 2.479 after
-2k tokens of context (`compile-engine bench paged-attention --prefill`); a mixed offline step
-(3 chunks of 600 + 237 decodes at contexts 513-768) 245 us.
+Query-tiled prefill variant (`tiled=True`; chosen by shapes). The single-token kernel re-reads
+a prefill chunk's keys once per query token with 16-row dots; this one runs a program per
+(query tile, KV head), a tile being up to BLOCK_M consecutive tokens of one sequence, and puts
+the tile's BLOCK_M tokens x group heads (the group rounded up to a power of two) on the dot's
+rows, 64 on CUDA. Sequence b's tiles are numbered from `query_start_loc[b] // BLOCK_M + b` and
+found by binary search, the padding past `query_start_loc[-1]` counting as one more sequence,
+so the grid `(T // BLOCK_M + B + 1, Hkv)` is an upper bound from shapes only (programs without
+a tile do nothing; CUDA-graph safe). Keys run up to the tile's last query position, masked
+causally per row; the KV write is fused with the same contract (each token's K/V written once,
+by its tile's program; this step's keys read from the k/v inputs). One-token (decode) sequences
+are skipped: a second launch of the single-token kernel, gridded over sequences (`BY_SEQ`),
+serves them, so a mixed batch's decodes waste no dot rows. The two launches touch disjoint
+tokens. `choose_tiled` takes the variant for batches with at least two tokens per sequence
+slot, never split. On the H200 at 9488c66 (bf16, Llama-3-8B heads) four 512-token chunks take
+0.055 ms against 0.342 ms single-token, 0.321 against 2.479 after 2k tokens of context
+(`compile-engine bench paged-attention --prefill`); a mixed offline step (3 chunks of 600 + 237
+decodes at contexts 513-768) 245 us.
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: there tiles are cast to float32 right
@@ -87,74 +86,19 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.counters import arrival_counters
-from compile_engine.kernels_generated.device import env_switch, pdl_launch, pdl_mode, sm_count
+from compile_engine.kernels_generated.device import pdl_launch, pdl_on, sm_count
 from compile_engine.kernels_generated.rotary import rotary_triton
 from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import paged_attention_fake, paged_attention_ref, rotary_ref
 from compile_engine.models.rope import cos_sin_table
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
-_MAX_SPLITS = 64
-
-# Decode configs by launch size: (least tokens, config), the last that fits applies. CUDA,
-# from scripts/device/pa_decode_sweep.py on the H200 at 9488c66 (bf16, Llama-3-8B heads, block
-# 16, CUDA-graph replay; batch x context): BLOCK_N 32 / 2 warps / 2 stages from 17 tokens,
-# 41 / 174 us at 256 x 32-160 / 513-768, 13.0 / 263 / 2,025 us at 64 x 40-160 / 4k / 32k
-# (64 / 2 / 2: 50.8 / 178 at batch 256, 15.9 / 249 / 1,904 at batch 64). Below, where T x
-# Hkv programs leave SMs idle and split-KV runs, 64 / 4 / 2: 8.5 / 50.4 us at 1 x 100 / 32k,
-# 29.9 at 8 x 1.5k-2.5k, 13.5 at 16 x 200-400 (32 / 2 / 2: 8.6 / 60.8 / 33.9 / 12.9).
-# MIN_SPLIT_KEYS 64 against 256 took 16 x 200-400 from 19.6 to 15.1 us (before 9488c66).
-# A program per several KV heads (block-diagonal q, 2 or 4 heads) was 10-60% slower at every
-# shape swept, so a program owns one KV head.
-# From 100 tokens (800 programs of 8 KV heads) the 32 / 2 / 2 config caps registers at 128:
-# uncapped it takes 160 (offline sm_90 compile, triton 3.6), 6 programs an SM, 792 on the
-# H200, so 256 tokens run in 3 waves; capped, 8 an SM (8 bytes spilled), 2 waves. Sweep at
-# 0c6c8eb: 37.9 / 170 / 985 us against 38.4 / 174 / 1,012 at 256 x 100 / 640 / 4k; at 64
-# tokens (one wave either way) the cap lost, 13.2 / 269 against 12.2 / 266 at 100 / 4k.
-# UNSPLIT_KEYS: a table at most this many keys wide takes one split. scripts/device/
-# attention_probe.py at 908d9f3, batch 1, 32 layers' decode kernels in one graph, one split
-# against the wide table's 33 (1-3 holding keys): -0.75 / -1.38 / +0.05 / +19.4 us a layer at
-# 40 / 100 / 160 / 1,000 keys; in the engine (`bench latency`, batch 1, contexts 33-160)
-# 247.5 / 247.3 against 245.9 / 245.9 tok/s. Measured at batch 1 only, so set for one-token
-# launches only (2-16 tokens split as before: 16 x 160 keys unsplit is 128 programs of three
-# key tiles each, against 384 of one and a combine, not timed); 0 where a config does not set
-# it.
-_SMALL_BATCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MIN_SPLIT_KEYS": 64}
-_CONFIGS: dict[str, list[tuple[int, dict]]] = {
-    "cuda": [
-        (1, {**_SMALL_BATCH, "UNSPLIT_KEYS": 160}),
-        (2, dict(_SMALL_BATCH)),
-        (17, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64}),
-        (
-            100,
-            {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "MIN_SPLIT_KEYS": 64, "maxnreg": 128},
-        ),
-    ],
-    "cpu": [(1, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "MIN_SPLIT_KEYS": 16})],
-}
-# Split-KV's partials are combined by the last split of a (token, KV head) to finish (an
-# atomic counter) rather than by a second kernel: one launch a layer, and a sequence short
-# enough for one split writes its output directly (1 x 100: 10.4 against 13.2 us with the
-# reduce kernel, before 9488c66). At 1 x 32k the combine of 33 splits cost 2 us more than
-# the reduce kernel (64 / 4 / 3: 50.9 against 48.6). The combine loads COMBINE_S splits a step.
-_FUSED_REDUCE = True
-_COMBINE_S = 8
-
-
-# The query-tiled prefill variant: ROWS dot rows a program (BLOCK_M query tokens x the group
-# rounded up to a power of two). CUDA: best of ROWS {64, 128} x BLOCK_N {32, 64, 128} x warps
-# {4, 8} x stages {2, 3} on the H200 for three 600-token chunks beside 237 decodes (321 us,
-# 350 for 128 / 64 / 8 / 2) and within 2% of the best on four 512-token chunks (80 us).
-_TILED_CONFIGS = {
-    "cuda": {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-    "cpu": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
-}
-_TILED_ENV = "COMPILE_ENGINE_TILED_PREFILL"
-# The variant runs when the batch has at least this many tokens per sequence slot (shapes
-# only, so capture and replay agree): decode batches keep the single-token kernel alone.
-_TILED_MIN_TOKENS_PER_SEQ = 2
+# Launch configs, split policy and the tiled variant's threshold: the kernel config's
+# AttentionTuning (kernels_generated/tuning.py), measured on the H200.
 
 
 class PagedAttentionKernelError(RuntimeError):
@@ -411,7 +355,7 @@ def _paged_attention_kernel(
     m_ws_ptr,  # [T, Hq, S] float32, split only
     l_ws_ptr,  # [T, Hq, S] float32, split only
     acc_ws_ptr,  # [T, Hq, S, D] float32, split only
-    counters_ptr,  # [>= T * Hkv] int32, zero between launches; fused split reduce only
+    counters_ptr,  # [>= T * Hkv] int32, zero between launches; split only
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]
@@ -440,7 +384,6 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # 1: one pass; > 1: up to NUM_SPLITS programs share the keys
     MIN_SPLIT_KEYS: tl.constexpr,  # a split takes at least this many keys
-    FUSED_REDUCE: tl.constexpr,  # splits: the last to finish combines (else a reduce kernel)
     COMBINE_G: tl.constexpr,  # GROUP rounded up to a power of two (the combine's rows)
     COMBINE_S: tl.constexpr,  # splits the combine loads at once (a power of two)
     COMPUTE_F32: tl.constexpr,  # interpreter: cast tiles to float32 after loading
@@ -448,13 +391,11 @@ def _paged_attention_kernel(
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
     ROT_DIM: tl.constexpr = 0,  # the rotary's width (ROTARY only)
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
-    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
-    # it after the key loops (device.py)
+    PDL: tl.constexpr = False,  # a PDL dependent: waits for the kernel ahead, releases the next
+    # after the key loops (tuning.py)
 ):
-    if PDL > 0:
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     if BY_SEQ:
         # Beside the tiled kernel: program b serves sequence b's token if b decodes one token
@@ -562,7 +503,7 @@ def _paged_attention_kernel(
         stride_cs, False, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
         ROT_DIM, ROTARY,
     )  # fmt: skip
-    if PDL == 3:
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if own:
         s_own = tl.sum(q.to(tl.float32) * k_row.to(tl.float32)[None, :], 1) * qk_scale
@@ -578,7 +519,11 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & mine)
-    elif FUSED_REDUCE:
+    else:
+        # The partials are combined by the last split of a (token, KV head) to finish, not by
+        # a second kernel: one launch a layer, and a sequence short enough for one split
+        # writes its output directly (1 x 100 keys: 10.4 against 13.2 us with a reduce
+        # kernel, before 9488c66; at 1 x 32k the combine of 33 splits cost 2 us more).
         if active <= 1:
             # One split holds every key (or none: padding, a zero output): it writes the output.
             if split == 0:
@@ -600,13 +545,6 @@ def _paged_attention_kernel(
                     active, GROUP, COMBINE_G, COMBINE_S, NUM_SPLITS, HEAD_DIM,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch
-    else:
-        # Every split stores its partial (an empty split's stays -inf, 0, 0: weight zero) for
-        # _reduce_splits_kernel.
-        tl.store(m_ws_ptr + ws_rows + split, m_i, mask=head_mask)
-        tl.store(l_ws_ptr + ws_rows + split, l_i, mask=head_mask)
-        tl.store(acc_ws_ptr + (ws_rows + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=head_mask[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -661,44 +599,6 @@ def _combine_splits(
     out = out / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + (head0 + offs_g)[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
-
-
-@triton.jit
-def _reduce_splits_kernel(
-    out_ptr,  # [T, Hq, D]
-    m_ws_ptr,  # [T, Hq, S]
-    l_ws_ptr,
-    acc_ws_ptr,  # [T, Hq, S, D]
-    num_q_heads,
-    stride_ot,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < NUM_SPLITS
-    base = (token * num_q_heads + head) * NUM_SPLITS
-    m = tl.load(m_ws_ptr + base + offs_s, mask=split_mask, other=float("-inf"))
-    sums = tl.load(l_ws_ptr + base + offs_s, mask=split_mask, other=0.0)
-    acc = tl.load(
-        acc_ws_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=split_mask[:, None],
-        other=0.0,
-    )
-    m_max = tl.max(m, 0)
-    # A padding token has no keys in any split: every max is -inf; keep exp2 away from NaN.
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp2(m - m_max)  # [BLOCK_S], 0 for empty splits
-    total = tl.sum(sums * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-    )
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS)
@@ -840,14 +740,12 @@ INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction)
 # --------------------------------------------------------------------------- launcher
 
 
-def decode_config(num_tokens: int, device: torch.device) -> dict:
-    """The single-token kernel's config for a launch of num_tokens tokens (shapes only)."""
-    table = _CONFIGS["cpu" if device.type == "cpu" else "cuda"]
-    return [config for least, config in table if least <= max(num_tokens, 1)][-1]
-
-
 def choose_num_splits(
-    num_tokens: int, num_kv_heads: int, max_context: int, device: torch.device
+    kernel_config: KernelConfig,
+    num_tokens: int,
+    num_kv_heads: int,
+    max_context: int,
+    device: torch.device,
 ) -> int:
     """How many KV splits to use, from shapes only (never tensor values, so the choice is the
     same at capture and replay). 1 means the single-pass kernel. Splitting pays when the
@@ -857,24 +755,30 @@ def choose_num_splits(
     (one below 2 x MIN_SPLIT_KEYS keys), but the rest still launch (`unsplit_context`)."""
     programs = num_tokens * num_kv_heads
     sms = sm_count(device)
-    config = decode_config(num_tokens, device)
-    if programs >= sms or max_context <= config.get("UNSPLIT_KEYS", 0):
+    attention = kernel_config.attention
+    config = attention.decode(num_tokens, device.type)
+    if programs >= sms or max_context <= config.unsplit_keys:
         return 1
     splits = min(
         triton.cdiv(2 * sms, programs),
-        triton.cdiv(max_context, config["MIN_SPLIT_KEYS"]),
-        _MAX_SPLITS,
+        triton.cdiv(max_context, config.min_split_keys),
+        attention.max_splits,
     )
     return max(splits, 1)
 
 
-def unsplit_context(num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
+def unsplit_context(
+    kernel_config: KernelConfig, num_tokens: int, num_kv_heads: int, device: torch.device
+) -> int:
     """The widest block table, in keys, on which a launch of these shapes runs unsplit while
     wider ones split; 0 if there is none (the launch never splits, or always does). A CUDA
     graph captured on a table that narrow skips split-KV's idle programs and combine for
     steps whose contexts fit (compiler/cuda_graphs.py)."""
-    keys = decode_config(num_tokens, device).get("UNSPLIT_KEYS", 0)
-    if keys == 0 or choose_num_splits(num_tokens, num_kv_heads, 1 << 30, device) == 1:
+    keys = kernel_config.attention.decode(num_tokens, device.type).unsplit_keys
+    if (
+        keys == 0
+        or choose_num_splits(kernel_config, num_tokens, num_kv_heads, 1 << 30, device) == 1
+    ):
         return 0
     return keys
 
@@ -890,22 +794,12 @@ def _split_counters(device: torch.device, size: int) -> Tensor:
     )
 
 
-@functools.cache
-def tiled_prefill_enabled() -> bool:
-    """Whether the query-tiled variant may run: yes unless COMPILE_ENGINE_TILED_PREFILL=0
-    (to compare against the single-token kernel); read once per process
-    (`tiled_prefill_enabled.cache_clear()` re-reads it)."""
-    return env_switch(_TILED_ENV, default=True, error=PagedAttentionKernelError)
-
-
-def choose_tiled(num_tokens: int, num_seqs: int) -> bool:
+def choose_tiled(kernel_config: KernelConfig, num_tokens: int, num_seqs: int) -> bool:
     """The automatic choice (tiled=None): the tiled variant (with its decode tokens on the
     single-token kernel) when the batch is prefill-heavy by its shapes, at least
-    `_TILED_MIN_TOKENS_PER_SEQ` tokens per sequence slot, and the environment does not switch
-    it off; the single-token kernel otherwise. Never reads tensor values."""
-    if not tiled_prefill_enabled():
-        return False
-    return num_tokens >= _TILED_MIN_TOKENS_PER_SEQ * max(num_seqs, 1)
+    `tiled_min_tokens_per_seq` tokens per sequence slot; the single-token kernel otherwise.
+    Never reads tensor values."""
+    return num_tokens >= kernel_config.attention.tiled_min_tokens_per_seq * max(num_seqs, 1)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, block_tables: Tensor) -> None:
@@ -957,15 +851,18 @@ def paged_attention_triton(
     tiled: bool | None = None,
     positions: Tensor | None = None,
     cos_sin_cache: Tensor | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> Tensor:
     """Same contract as `models.ops.paged_attention`: writes k/v into kv_cache through
     slot_mapping, returns attention output [T, Hq, D]. num_splits: None chooses from shapes
     (`choose_num_splits`), 1 forces the single-pass kernel, > 1 forces split-KV. tiled: True
     runs the query-tiled prefill variant (no splits), False the single-token kernel, None
-    chooses (`choose_tiled`, only when num_splits is None: off unless
-    COMPILE_ENGINE_TILED_PREFILL=1). With positions [T] and cos_sin_cache [max_pos, rot_dim]
-    q and k arrive unrotated and the kernel applies `models.ops.rotary` to them as it loads
-    them (`paged_attention_rotary_ref`): the rotated keys are what it writes to the cache."""
+    chooses (`choose_tiled`, only when num_splits is None). With positions [T] and
+    cos_sin_cache [max_pos, rot_dim] q and k arrive unrotated and the kernel applies
+    `models.ops.rotary` to them as it loads them (`paged_attention_rotary_ref`): the rotated
+    keys are what it writes to the cache. kernel_config: launch configs, split policy and PDL
+    (None: the defaults)."""
+    kernel_config = kernel_config or tuning.default()
     rotary = _rotary_args(q, positions, cos_sin_cache)  # the call's own arguments first
     _validate(q, k, v, kv_cache, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -980,7 +877,9 @@ def paged_attention_triton(
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.long()
     if tiled is None:
-        tiled = num_splits is None and choose_tiled(num_tokens, block_tables.shape[0])
+        tiled = num_splits is None and choose_tiled(
+            kernel_config, num_tokens, block_tables.shape[0]
+        )
     if tiled:
         if num_splits not in (None, 1):
             raise PagedAttentionKernelError(
@@ -991,23 +890,26 @@ def paged_attention_triton(
             # Prefill-heavy batches rotate first (the rotary kernel, one launch for q and k):
             # the tiled kernel's [64, D] query tiles rotated in registers would spill.
             positions, cos_sin_cache = rotary
-            q, k = rotary_triton(positions, q, k, cos_sin_cache)
+            q, k = rotary_triton(positions, q, k, cos_sin_cache, kernel_config=kernel_config)
             rotary = None
         args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-        _launch_tiled(*args, scale, out)
+        _launch_tiled(*args, scale, out, kernel_config)
         # The decode tokens of the batch, one program per sequence (the tiled kernel skips
         # one-token sequences: a lone token in a 32-token tile wastes the dot's rows; measured
         # on the H200, 540 us a layer for 1,811 prefill + 237 decode tokens, of which the
         # prefill alone took 77 us). The two launches touch disjoint tokens.
-        _launch_single(*args, scale, out, num_splits=1, by_seq=True, rotary=rotary)
+        _launch_single(*args, scale, out, kernel_config, num_splits=1, by_seq=True, rotary=rotary)
         return out
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(num_tokens, num_kv_heads, max_context, q.device)
+        num_splits = choose_num_splits(
+            kernel_config, num_tokens, num_kv_heads, max_context, q.device
+        )
     if num_splits < 1:
         raise PagedAttentionKernelError(f"num_splits must be >= 1, got {num_splits}")
     _launch_single(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                   scale, out, num_splits=num_splits, by_seq=False, rotary=rotary)  # fmt: skip
+                   scale, out, kernel_config, num_splits=num_splits, by_seq=False,
+                   rotary=rotary)  # fmt: skip
     return out
 
 
@@ -1064,6 +966,7 @@ def _launch_single(
     query_start_loc: Tensor,
     scale: float,
     out: Tensor,
+    kernel_config: KernelConfig,
     *,
     num_splits: int,
     by_seq: bool,
@@ -1074,7 +977,7 @@ def _launch_single(
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     on_cpu = q.device.type == "cpu"
-    config = decode_config(num_tokens, q.device)
+    config = kernel_config.attention.decode(num_tokens, q.device.type)
     group = num_q_heads // num_kv_heads
     block_g = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
     # float32 inputs keep full precision on GPU (tf32 would lose ~3 digits); bf16/fp16 take
@@ -1091,11 +994,11 @@ def _launch_single(
         acc_ws = torch.empty(
             (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
-        counters = _split_counters(q.device, grid[0] * grid[1]) if _FUSED_REDUCE else m_ws
+        counters = _split_counters(q.device, grid[0] * grid[1])
     else:
         m_ws = l_ws = acc_ws = counters = out  # never touched by the single-pass kernel
     rotary_ptrs, rotary_consts = _rotary_launch_args(rotary, slot_mapping)
-    pdl = pdl_mode(q.device, num_tokens, attention=True)
+    pdl = pdl_on(kernel_config, q.device, num_tokens)
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
@@ -1122,12 +1025,13 @@ def _launch_single(
             BLOCK_G=block_g,
             HEAD_DIM=head_dim,
             KV_BLOCK_SIZE=block_size,
-            BLOCK_N=config["BLOCK_N"],
+            BLOCK_N=config.block_n,
             NUM_SPLITS=num_splits,
-            MIN_SPLIT_KEYS=config["MIN_SPLIT_KEYS"],
-            FUSED_REDUCE=_FUSED_REDUCE,
+            MIN_SPLIT_KEYS=config.min_split_keys,
             COMBINE_G=triton.next_power_of_2(group),
-            COMBINE_S=min(_COMBINE_S, triton.next_power_of_2(num_splits)),
+            COMBINE_S=min(
+                kernel_config.attention.combine_splits, triton.next_power_of_2(num_splits)
+            ),
             COMPUTE_F32=on_cpu,
             DOT_PRECISION=dot_precision,
             BY_SEQ=by_seq,
@@ -1135,27 +1039,13 @@ def _launch_single(
             # With FMA contraction the H200 skipped the rotation's rounding steps (51,248 of
             # 256 x 8 x 128 keys off by an ulp at batch 256); without it, bit-exact.
             enable_fp_fusion=rotary is None,
-            num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
             # A register cap, where a config sets one: more programs resident an SM.
-            **{k: config[k] for k in ("maxnreg",) if k in config},
+            **({"maxnreg": config.maxnreg} if config.maxnreg is not None else {}),
             PDL=pdl,
-            **pdl_launch(pdl > 0),
+            **pdl_launch(pdl),
         )
-        if num_splits > 1 and not _FUSED_REDUCE:
-            _reduce_splits_kernel[(num_tokens, num_q_heads)](
-                out,
-                m_ws,
-                l_ws,
-                acc_ws,
-                num_q_heads,
-                out.stride(0),
-                out.stride(1),
-                NUM_SPLITS=num_splits,
-                BLOCK_S=triton.next_power_of_2(num_splits),
-                HEAD_DIM=head_dim,
-                num_warps=4 if not on_cpu else 1,
-            )
 
 
 def _launch_tiled(
@@ -1169,18 +1059,19 @@ def _launch_tiled(
     query_start_loc: Tensor,
     scale: float,
     out: Tensor,
+    kernel_config: KernelConfig,
 ) -> None:
     """Launch `_paged_attention_tiled_kernel` (inputs already validated and converted)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = block_tables.shape[0]
     on_cpu = q.device.type == "cpu"
-    config = _TILED_CONFIGS["cpu" if on_cpu else "cuda"]
+    config = kernel_config.attention.tiled(q.device.type)
     group = num_q_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     # ROWS >= 16 and a power of two, so the dot has >= 16 rows; a group wider than ROWS
     # takes one token a tile.
-    block_m = max(config["ROWS"] // group_p2, 1)
+    block_m = max(config.rows // group_p2, 1)
     dot_precision = "ieee" if q.dtype == torch.float32 or on_cpu else "tf32"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # An upper bound on the tiles from shapes only: sequence b's tiles start at
@@ -1208,16 +1099,17 @@ def _launch_tiled(
             BLOCK_M=block_m,
             HEAD_DIM=head_dim,
             KV_BLOCK_SIZE=block_size,
-            BLOCK_N=config["BLOCK_N"],
+            BLOCK_N=config.block_n,
             COMPUTE_F32=on_cpu,
             DOT_PRECISION=dot_precision,
-            num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
 
 
-# The op the paged-attention pass swaps in for ce::paged_attention: same schema, opaque to
-# Dynamo and Inductor (torch.library.triton_op fails under torch.compile on CPU).
+# The op the paged-attention pass swaps in for ce::paged_attention: its schema and the kernel
+# config's key (tuning.py), opaque to Dynamo and Inductor (torch.library.triton_op fails under
+# torch.compile on CPU).
 @torch.library.custom_op("ce_kernels::paged_attention", mutates_args=("kv_cache",))
 def paged_attention(
     q: Tensor,
@@ -1229,14 +1121,31 @@ def paged_attention(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    tuning_key: str,
 ) -> Tensor:
     """`ce::paged_attention` computed by the Triton kernel (split-KV chosen from shapes)."""
     return paged_attention_triton(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+        kernel_config=tuning.resolve(tuning_key),
+    )  # fmt: skip
+
+
+@paged_attention.register_fake
+def _paged_attention_kernel_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    tuning_key: str,
+) -> Tensor:
+    return paged_attention_fake(
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
     )
-
-
-paged_attention.register_fake(paged_attention_fake)
 
 
 def paged_attention_rotary_ref(
@@ -1273,12 +1182,14 @@ def paged_attention_rotary(
     scale: float,
     positions: Tensor,
     cos_sin_cache: Tensor,
+    tuning_key: str,
 ) -> Tensor:
     """`ce::paged_attention` of the rotated q and k (`ce::rotary`), the rotation done by the
     Triton kernel as it loads them: no rotary kernel, no rotated copies of q and k."""
     return paged_attention_triton(
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
         positions=positions, cos_sin_cache=cos_sin_cache,
+        kernel_config=tuning.resolve(tuning_key),
     )  # fmt: skip
 
 
@@ -1295,6 +1206,7 @@ def _paged_attention_rotary_fake(
     scale: float,
     positions: Tensor,
     cos_sin_cache: Tensor,
+    tuning_key: str,
 ) -> Tensor:
     return torch.empty_like(q)
 

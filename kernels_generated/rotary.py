@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import (
     CONFIG_DIR,
     TARGET_OF_DEVICE,
@@ -51,6 +52,7 @@ from compile_engine.kernels_generated.configs import (
     tuning_provenance,
 )
 from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import rotary_fake, rotary_ref
 
 CONFIG_FILE = CONFIG_DIR / "rotary.json"
@@ -178,20 +180,19 @@ INTERPRETED = not isinstance(_rotary_kernel, JITFunction)
 # --------------------------------------------------------------------------- configs
 
 
-@functools.cache
-def config_table() -> ConfigTable:
-    return ConfigTable.load(CONFIG_FILE)
-
-
 def shape_key(num_tokens: int, num_heads: int, head_dim: int) -> dict[str, int]:
     """Heads counts q and k together: that is what the grid spreads over."""
     return {"HEADS": num_heads, "D": head_dim, "T": bucket_tokens(num_tokens)}
 
 
 @functools.cache
-def config_for(target: str, tokens_bucket: int, num_heads: int, head_dim: int) -> dict:
-    """The launch config of a shape class (cached: looked up once per class, not per call)."""
-    return config_table().lookup(target, {"HEADS": num_heads, "D": head_dim, "T": tokens_bucket})
+def config_for(
+    tuning_key: str, target: str, tokens_bucket: int, num_heads: int, head_dim: int
+) -> dict:
+    """The launch config of a shape class in the kernel config's table (cached: looked up once
+    per class, not per call)."""
+    table = tuning.resolve(tuning_key).table("rotary")
+    return table.lookup(target, {"HEADS": num_heads, "D": head_dim, "T": tokens_bucket})
 
 
 # --------------------------------------------------------------------------- launcher
@@ -231,9 +232,11 @@ def rotary_triton(
     *,
     block_h: int | None = None,
     num_warps: int | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as `models.ops.rotary`: returns rotated (q, k), new tensors laid out as
-    the op's fake promises (`empty_like`). block_h / num_warps override the config."""
+    the op's fake promises (`empty_like`). The launch config comes from kernel_config's table
+    (None: the defaults); block_h / num_warps override it."""
     _validate(positions, q, k, cos_sin_cache)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -249,7 +252,10 @@ def rotary_triton(
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
 
     target = TARGET_OF_DEVICE[q.device.type]
-    config = config_for(target, bucket_tokens(num_tokens), num_q_heads + num_kv_heads, head_dim)
+    key = (kernel_config or tuning.default()).key
+    config = config_for(
+        key, target, bucket_tokens(num_tokens), num_q_heads + num_kv_heads, head_dim
+    )
     heads_per_program = block_h or config["BLOCK_H"]
     half = cache.shape[-1] // 2
     rest = head_dim - 2 * half
@@ -293,15 +299,22 @@ def rotary_triton(
     return q_out, k_out
 
 
-# The op the rotary_triton pass swaps in for ce::rotary: the same schema and fake, opaque to
-# Dynamo and Inductor (torch.library.triton_op fails under torch.compile on CPU).
+# The op the rotary_triton pass swaps in for ce::rotary: its schema and the kernel config's key
+# (tuning.py), opaque to Dynamo and Inductor (torch.library.triton_op fails under torch.compile
+# on CPU).
 @torch.library.custom_op("ce_kernels::rotary", mutates_args=())
-def rotary(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
+def rotary(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, tuning_key: str
+) -> tuple[Tensor, Tensor]:
     """`ce::rotary` computed by the Triton kernel."""
-    return rotary_triton(positions, q, k, cos_sin_cache)
+    return rotary_triton(positions, q, k, cos_sin_cache, kernel_config=tuning.resolve(tuning_key))
 
 
-rotary.register_fake(rotary_fake)
+@rotary.register_fake
+def _rotary_kernel_fake(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, tuning_key: str
+) -> tuple[Tensor, Tensor]:
+    return rotary_fake(positions, q, k, cos_sin_cache)
 
 
 # --------------------------------------------------------------------------- inputs, check, bench
@@ -353,7 +366,8 @@ def check(shapes: tuple[tuple[int, int, int, int], ...] | None = None, dtype=Non
     worst = 0.0
     for num_tokens, hq, hkv, head_dim in shapes:
         args = make_inputs(num_tokens, hq, hkv, head_dim, dtype=dtype, device=device)
-        for got, want in zip(rotary(*args), rotary_ref(*args), strict=True):
+        got_pair = rotary(*args, tuning.default().key)
+        for got, want in zip(got_pair, rotary_ref(*args), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             worst = max(worst, (got.float() - want.float()).abs().max().item())
     return worst
@@ -372,7 +386,7 @@ def bench(shapes: tuple[tuple[int, int, int, int], ...] = REAL_SHAPES) -> list[d
         args = make_inputs(num_tokens, hq, hkv, head_dim)
         moved = moved_bytes(num_tokens, hq + hkv, head_dim, 2)
         row = {"T": num_tokens}
-        for name, fn in (("triton", rotary), ("reference", rotary_ref)):
+        for name, fn in (("triton", rotary_triton), ("reference", rotary_ref)):
             us = graph_us(lambda fn=fn, args=args: fn(*args))
             row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
         rows.append(row)
@@ -423,7 +437,7 @@ def tune(
     )
     if write:
         print(f"wrote {table.save()}")
-    config_table.cache_clear()
+    tuning.table_written()
     config_for.cache_clear()
     return table
 

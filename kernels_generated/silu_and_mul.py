@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import (
     CONFIG_DIR,
     TARGET_OF_DEVICE,
@@ -41,8 +42,9 @@ from compile_engine.kernels_generated.configs import (
     bucket_tokens,
     tuning_provenance,
 )
-from compile_engine.kernels_generated.device import pdl_launch, pdl_mode
+from compile_engine.kernels_generated.device import pdl_launch, pdl_on
 from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import silu_and_mul_fake, silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "silu_and_mul.json"
@@ -60,20 +62,18 @@ def _silu_and_mul_kernel(
     stride_xt,
     stride_ot,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
-    # it after the loads (device.py)
+    PDL: tl.constexpr = False,  # a PDL dependent: waits for the kernel ahead, releases the next
+    # after its loads (tuning.py)
 ):
-    if PDL > 0:
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     row = x_ptr + token * stride_xt
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + inter + cols, mask=mask, other=0.0)
-    if PDL == 3:
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = gate.to(tl.float32)
     activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu, rounded as the reference
@@ -85,25 +85,27 @@ INTERPRETED = not isinstance(_silu_and_mul_kernel, JITFunction)
 """True when triton was imported with TRITON_INTERPRET=1: the kernel then runs on CPU tensors."""
 
 
-@functools.cache
-def config_table() -> ConfigTable:
-    return ConfigTable.load(CONFIG_FILE)
-
-
 def shape_key(num_tokens: int, inter: int) -> dict[str, int]:
     return {"I": inter, "T": bucket_tokens(num_tokens)}
 
 
 @functools.cache
-def config_for(target: str, tokens_bucket: int, inter: int) -> dict:
-    """The launch config of a shape class (cached: looked up once per class, not per call)."""
-    return config_table().lookup(target, {"I": inter, "T": tokens_bucket})
+def config_for(tuning_key: str, target: str, tokens_bucket: int, inter: int) -> dict:
+    """The launch config of a shape class in the kernel config's table (cached: looked up once
+    per class, not per call)."""
+    table = tuning.resolve(tuning_key).table("silu_and_mul")
+    return table.lookup(target, {"I": inter, "T": tokens_bucket})
 
 
 def silu_and_mul_triton(
-    x: Tensor, *, block: int | None = None, num_warps: int | None = None
+    x: Tensor,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> Tensor:
-    """Same contract as `models.ops.silu_and_mul`; block / num_warps override the config."""
+    """Same contract as `models.ops.silu_and_mul`. The launch config comes from kernel_config's
+    table, PDL from its settings (None: the defaults); block / num_warps override the config."""
     if x.device.type == "cpu" and not INTERPRETED:
         raise SiluAndMulKernelError(
             "the Triton silu_and_mul kernel runs on CPU tensors only under the interpreter: "
@@ -123,9 +125,11 @@ def silu_and_mul_triton(
     if num_tokens == 0 or inter == 0:
         return out
     out_flat = out.view(num_tokens, inter)  # the fake's new_empty is contiguous
-    config = config_for(TARGET_OF_DEVICE[x.device.type], bucket_tokens(num_tokens), inter)
+    kernel_config = kernel_config or tuning.default()
+    target = TARGET_OF_DEVICE[x.device.type]
+    config = config_for(kernel_config.key, target, bucket_tokens(num_tokens), inter)
     block = block or config["BLOCK"]
-    pdl = pdl_mode(x.device, num_tokens)
+    pdl = pdl_on(kernel_config, x.device, num_tokens)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             flat,
@@ -136,19 +140,22 @@ def silu_and_mul_triton(
             BLOCK=block,
             PDL=pdl,
             num_warps=num_warps or config["num_warps"],
-            **pdl_launch(pdl > 0),
+            **pdl_launch(pdl),
         )
     return out
 
 
-# The op the silu_and_mul_triton pass swaps in for ce::silu_and_mul: same schema and fake.
+# The op the silu_and_mul_triton pass swaps in for ce::silu_and_mul: its schema and the kernel
+# config's key (tuning.py).
 @torch.library.custom_op("ce_kernels::silu_and_mul", mutates_args=())
-def silu_and_mul(x: Tensor) -> Tensor:
+def silu_and_mul(x: Tensor, tuning_key: str) -> Tensor:
     """`ce::silu_and_mul` computed by the Triton kernel."""
-    return silu_and_mul_triton(x)
+    return silu_and_mul_triton(x, kernel_config=tuning.resolve(tuning_key))
 
 
-silu_and_mul.register_fake(silu_and_mul_fake)
+@silu_and_mul.register_fake
+def _silu_and_mul_kernel_fake(x: Tensor, tuning_key: str) -> Tensor:
+    return silu_and_mul_fake(x)
 
 
 # --------------------------------------------------------------------------- check, bench, tune
@@ -170,7 +177,7 @@ def check(shapes: tuple[tuple[int, int], ...] | None = None, dtype=None) -> floa
     worst = 0.0
     for num_tokens, inter in shapes:
         x = torch.randn(num_tokens, 2 * inter, device=device, generator=gen).to(dtype)
-        got, want = silu_and_mul(x), silu_and_mul_ref(x)
+        got, want = silu_and_mul(x, tuning.default().key), silu_and_mul_ref(x)
         torch.testing.assert_close(got, want)  # torch's per-dtype defaults: a few ulps
         worst = max(worst, (got.float() - want.float()).abs().max().item())
     return worst
@@ -186,7 +193,7 @@ def bench(shapes: tuple[tuple[int, int], ...] = REAL_SHAPES) -> list[dict]:
         x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
         moved = moved_bytes(num_tokens, inter, 2)
         row = {"T": num_tokens, "I": inter}
-        for name, fn in (("triton", silu_and_mul), ("reference", silu_and_mul_ref)):
+        for name, fn in (("triton", silu_and_mul_triton), ("reference", silu_and_mul_ref)):
             us = graph_us(lambda fn=fn, x=x: fn(x))
             row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
         rows.append(row)
@@ -235,7 +242,7 @@ def tune(
     )
     if write:
         print(f"wrote {table.save()}")
-    config_table.cache_clear()
+    tuning.table_written()
     config_for.cache_clear()
     return table
 

@@ -35,12 +35,9 @@ import helion.language as hl
 import torch
 from torch import Tensor
 
-from compile_engine.kernels_generated.configs import (
-    CONFIG_DIR,
-    TARGET_OF_DEVICE,
-    ConfigTable,
-    bucket_tokens,
-)
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, bucket_tokens
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import silu_and_mul_ref
 
 CONFIG_FILE = CONFIG_DIR / "silu_and_mul_helion.json"
@@ -68,23 +65,23 @@ def interpreted() -> bool:
     return silu_and_mul_kernel.settings.ref_mode != helion.RefMode.OFF
 
 
-@functools.cache
-def config_table() -> ConfigTable:
-    return ConfigTable.load(CONFIG_FILE)
-
-
 def shape_key(num_tokens: int, inter: int) -> dict[str, int]:
     return {"I": inter, "T": bucket_tokens(num_tokens)}
 
 
 @functools.cache
-def config_for(target: str, num_tokens_bucket: int, inter: int) -> helion.Config:
-    """The config for a shape class (cached: the lookup runs once per class, not per call)."""
-    return helion.Config(**config_table().lookup(target, {"I": inter, "T": num_tokens_bucket}))
+def config_for(tuning_key: str, target: str, num_tokens_bucket: int, inter: int) -> helion.Config:
+    """The config for a shape class in the kernel config's table (cached: the lookup runs once
+    per class, not per call)."""
+    table = tuning.resolve(tuning_key).table("silu_and_mul_helion")
+    return helion.Config(**table.lookup(target, {"I": inter, "T": num_tokens_bucket}))
 
 
-def silu_and_mul_helion_impl(gate: Tensor, up: Tensor) -> Tensor:
-    """Launch the kernel on gate, up [T, I] with the configured tiling."""
+def silu_and_mul_helion_impl(
+    gate: Tensor, up: Tensor, kernel_config: KernelConfig | None = None
+) -> Tensor:
+    """Launch the kernel on gate, up [T, I] with the tiling of kernel_config's table (None:
+    the defaults)."""
     if interpreted():
         return silu_and_mul_kernel(gate, up)
     if gate.device.type != "cuda":
@@ -95,21 +92,24 @@ def silu_and_mul_helion_impl(gate: Tensor, up: Tensor) -> Tensor:
     num_tokens, inter = gate.shape
     if num_tokens == 0:
         return gate.new_empty((0, inter))
-    config = config_for(TARGET_OF_DEVICE[gate.device.type], bucket_tokens(num_tokens), inter)
+    key = (kernel_config or tuning.default()).key
+    config = config_for(key, TARGET_OF_DEVICE[gate.device.type], bucket_tokens(num_tokens), inter)
     bound = silu_and_mul_kernel.bind((gate, up))
     return bound.compile_config(config, allow_print=False)(gate, up)
 
 
 @torch.library.custom_op("ce_kernels::silu_and_mul_helion", mutates_args=())
-def silu_and_mul_helion(x: Tensor) -> Tensor:
-    """x [..., 2I] holding [gate | up] -> silu(gate) * up, [..., I]."""
+def silu_and_mul_helion(x: Tensor, tuning_key: str) -> Tensor:
+    """x [..., 2I] holding [gate | up] -> silu(gate) * up, [..., I]; tiles from the kernel
+    config whose key the pass gave (tuning.py)."""
     flat = x.reshape(-1, x.shape[-1])  # [T, 2I], a view for the model's 2-D activations
     gate, up = flat.chunk(2, dim=-1)  # [T, I] each, strided views of x
-    return silu_and_mul_helion_impl(gate, up).view(*x.shape[:-1], x.shape[-1] // 2)
+    out = silu_and_mul_helion_impl(gate, up, tuning.resolve(tuning_key))
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 @silu_and_mul_helion.register_fake
-def _(x: Tensor) -> Tensor:
+def _(x: Tensor, tuning_key: str) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
@@ -125,7 +125,7 @@ def emit_triton(
         raise KernelUnavailableError("no Triton source under HELION_INTERPRET=1 (eager mode)")
     x = torch.empty(num_tokens, 2 * inter, dtype=dtype)
     gate, up = x.chunk(2, dim=-1)
-    config = config if config is not None else config_table().default
+    config = config if config is not None else tuning.default().table("silu_and_mul_helion").default
     if not isinstance(config, helion.Config):
         config = helion.Config(**config)
     return silu_and_mul_kernel.bind((gate, up)).to_triton_code(config)
@@ -147,7 +147,7 @@ def check(
     gen = torch.Generator(device=device).manual_seed(0)
     for num_tokens, inter in shapes:
         x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=device, generator=gen)
-        got, want = silu_and_mul_helion(x), silu_and_mul_ref(x)
+        got, want = silu_and_mul_helion(x, tuning.default().key), silu_and_mul_ref(x)
         # Same roundings as the reference; only exp's last float32 bit may differ between
         # Triton's libdevice and ATen, which can move a result by one ulp of `dtype`.
         where = f"T={num_tokens}, I={inter}"
@@ -174,7 +174,8 @@ def bench(shapes: tuple[tuple[int, int], ...] = _REAL_SHAPES) -> list[dict]:
         x = torch.randn(num_tokens, 2 * inter, dtype=torch.bfloat16, device="cuda")
         moved = 3 * num_tokens * inter * x.element_size()  # read 2I, write I per token
         row = {"T": num_tokens, "I": inter}
-        for name, fn in (("helion", silu_and_mul_helion), ("reference", silu_and_mul_ref)):
+        helion_fn = functools.partial(silu_and_mul_helion, tuning_key=tuning.default().key)
+        for name, fn in (("helion", helion_fn), ("reference", silu_and_mul_ref)):
             ms = do_bench(lambda fn=fn, x=x: fn(x))
             row[f"{name}_us"] = round(ms * 1e3, 2)
             row[f"{name}_gbs"] = round(moved / (ms * 1e-3) / 1e9, 1)

@@ -67,10 +67,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -80,42 +78,21 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from compile_engine.kernels_generated.configs import (
-    CONFIG_DIR,
-    ConfigEntry,
-    ConfigTable,
-    bucket_tokens,
-)
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.configs import ConfigEntry, bucket_tokens
 from compile_engine.kernels_generated.counters import arrival_counters
-from compile_engine.kernels_generated.device import (
-    ab_switch,
-    pdl_enabled,
-    pdl_launch,
-    pdl_mode,
-    pdl_settings,
-    sm_count,
-)
+from compile_engine.kernels_generated.device import pdl_launch, pdl_on, sm_count
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import add_rms_norm_ref, silu_and_mul_ref
 
 log = logging.getLogger(__name__)
 
-# COMPILE_ENGINE_SKINNY_GEMM_CONFIGS: another table (experiments, e.g. scripts/device/*.json).
-CONFIG_FILE = Path(
-    os.environ.get("COMPILE_ENGINE_SKINNY_GEMM_CONFIGS", CONFIG_DIR / "skinny_gemm.json")
-)
 MAX_ROWS = 256  # above this the GEMM is compute-bound and cuBLAS's tiles are right
 MAX_TILES = 1 << 16  # split-K counters per device: cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M) tiles
 MODES = {"dot": 0, "swap": 1, "fma": 2}
 # The fused norm (add_rms_norm_gemm) re-reads x and the residual in every program: for the few
 # rows of a batch-1..16 decode step, a few KB to 128 KB from L2 against the norm kernel it saves.
 NORM_MAX_ROWS = 16
-# The one-pass fused norm sums its squares element by element and reduces them once after the
-# weight loop, not per K-tile: in an offline sm_90 compile of the batch-1 qkv launch the loop
-# body loses its 80 shuffles and 3 of its 5 barriers a K-tile (gate_up's: 42 and 3 of 7). In
-# the engine on the H200 (`bench latency`, batch 1, two rounds, the order reversed, 908d9f3):
-# 248.1 / 248.1 against 245.9 / 245.9 tok/s. COMPILE_ENGINE_NORM_DEFER_SUM=0 (device.ab_switch)
-# sums per K-tile as before, for A/B runs; batches of 2-16 rows were not timed either way.
-DEFER_SUM_ENV = "COMPILE_ENGINE_NORM_DEFER_SUM"
 KERNELS = ("triton", "cublas", "cublaslt")  # what a tuned entry may run
 
 
@@ -151,13 +128,12 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr,  # 0 dot [BM, BN], 1 swapped dot [BN, BM], 2 fma [BN, BM]
     EVEN_K: tl.constexpr,  # K == split_k * k_tiles * BLOCK_K: no K mask
     RAGGED: tl.constexpr = False,  # program i owns rows [i N / P, (i + 1) N / P), P programs
-    PDL: tl.constexpr = 0,  # 1: a PDL dependent, waits; 2: then releases the next; 3: releases
-    # it after the weight loop (device.py)
-    PREFETCH: tl.constexpr = 0,  # PDL only: this program's w into L2 before waiting; -1 all of
-    # its slice, n > 0 its first n K-tiles
+    PDL: tl.constexpr = False,  # a PDL dependent: waits for the kernel ahead, releases the next
+    # after the weight loop (tuning.py)
+    PREFETCH: tl.constexpr = 0,  # PDL only: this program's first PREFETCH K-tiles of w into L2
+    # before it waits
     NORM: tl.constexpr = 0,  # x := rms_norm(x + residual) * g on the fly: 1 two passes, 2 one
     GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
-    DEFER: tl.constexpr = False,  # NORM 2: squares summed per element, reduced after the loop
     TMA: tl.constexpr = False,  # the weight's tiles through w_desc (the Hopper TMA unit)
 ):
     pid_n = tl.program_id(0)
@@ -182,12 +158,11 @@ def _skinny_gemm_kernel(
     mask_m = offs_m < M
     if PREFETCH != 0:
         # The weight does not depend on the kernel before (attention, for o_proj): stream this
-        # program's slice (or its first tiles) into L2 while that kernel finishes, then wait
-        # for its output. One prefetch a 128-byte line (64 half-precision elements); rows past
-        # N re-fetch row 0.
+        # program's first tiles into L2 while that kernel finishes, then wait for its output.
+        # One prefetch a 128-byte line (64 half-precision elements); rows past N re-fetch row 0.
         rows = tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn
         lines = k_start + tl.arange(0, BLOCK_K // 64) * 64
-        prefetched = k_tiles if PREFETCH < 0 else tl.minimum(k_tiles, PREFETCH)
+        prefetched = tl.minimum(k_tiles, PREFETCH)
         for k in range(0, prefetched * BLOCK_K, BLOCK_K):
             tl.inline_asm_elementwise(
                 "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
@@ -197,23 +172,26 @@ def _skinny_gemm_kernel(
                 is_pure=False,
                 pack=1,
             )
-    if PDL > 0:
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if NORM > 0:
         r_ptrs = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + (k_start + offs_k)[None, :]
         g_ptrs = g_ptr + k_start + offs_k
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if DEFER:
-            square_tiles = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if NORM == 2:
+        # The squares element by element, in registers, reduced once after the weight loop:
+        # a row sum every K-tile is a cross-warp reduction (shuffles, shared memory and a
+        # barrier) inside the loop that streams the weight. In an offline sm_90 compile of the
+        # batch-1 qkv launch the loop lost 80 shuffles and 3 of its 5 barriers a K-tile; in the
+        # engine (H200, batch 1, 908d9f3) 248.1 / 248.1 against 245.9 / 245.9 tok/s.
+        square_tiles = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if NORM == 1:
         # Two passes (a split K-slice needs the whole row's mean of squares first): every
         # program reads its rows of x and the residual once more (at most NORM_MAX_ROWS rows
         # of K elements, from L2), then normalises each tile as HF rounds it. The sum is
         # rounded to the activation dtype first, as the residual stream it becomes is.
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for kk in range(0, K, BLOCK_K):
             in_row = mask_m[:, None] & ((kk + offs_k) < K)[None, :]
             xo = offs_m[:, None].to(tl.int64) * stride_xm + (kk + offs_k)[None, :]
@@ -268,13 +246,7 @@ def _skinny_gemm_kernel(
                 # the rows at the end. No second read of x and the residual ahead of the
                 # weight stream; the normalised row is not rounded before the weight scales
                 # it, so the result differs from HF's by that rounding, not more.
-                if DEFER:
-                    # Element by element, in registers: a row sum every K-tile is a
-                    # cross-warp reduction (shuffles, shared memory and a barrier) inside
-                    # the loop that streams the weight.
-                    square_tiles += row.to(tl.float32) * row.to(tl.float32)
-                else:
-                    squares += tl.sum(row.to(tl.float32) * row.to(tl.float32), axis=1)
+                square_tiles += row.to(tl.float32) * row.to(tl.float32)
                 x = (g[None, :].to(tl.float32) * row.to(tl.float32)).to(x.dtype)
             r_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
@@ -304,7 +276,7 @@ def _skinny_gemm_kernel(
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if PDL == 3:
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if NORM > 0 and pid_k == 0:
         # The residual sum, K-tile t by the t-th program of these rows, after the weight
@@ -328,8 +300,7 @@ def _skinny_gemm_kernel(
                 mask=in_row,
             )
     if NORM == 2:
-        if DEFER:
-            squares = tl.sum(square_tiles, axis=1)
+        squares = tl.sum(square_tiles, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
         if MODE == 0:
             acc = acc * rstd[:, None]
@@ -406,28 +377,14 @@ def _validate(x: Tensor, w: Tensor) -> None:
         )
 
 
-def prefetches_weight(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> bool:
-    """Whether this launch, a PDL dependent, prefetches its whole weight (device.py). Only a
-    weight that fits L2 beside what the kernel before it reads: prefetched, the Llama-3-8B QKV
-    weight (50 MB, the H200's whole L2) would be evicted before the GEMM reads it and come from
-    HBM twice; o_proj's (34 MB) fits. The prefetch covers whole BLOCK_K tiles of
-    half-precision rows: EVEN_K launches only."""
-    fits_l2 = w.numel() * w.element_size() <= pdl_settings().prefetch_bytes
-    return fits_l2 and _can_prefetch(x, block_k, even_k)
-
-
-def _can_prefetch(x: Tensor, block_k: int, even_k: bool) -> bool:
+def prefetch_tiles(kernel_config: KernelConfig, x: Tensor, block_k: int, even_k: bool) -> int:
+    """The PREFETCH constexpr of a PDL launch: the config's `pdl_prefetch_tiles` leading
+    K-tiles of the weight slice, where the prefetch can cover whole BLOCK_K tiles of
+    half-precision rows (EVEN_K launches; one prefetch a 128-byte line); else 0."""
     half = x.element_size() == 2
-    return pdl_enabled(x.device) and even_k and block_k % 64 == 0 and half
-
-
-def prefetch_tiles(x: Tensor, w: Tensor, block_k: int, even_k: bool) -> int:
-    """The launch's PREFETCH constexpr: -1 its whole weight slice (`prefetches_weight`), n > 0
-    its first n K-tiles (COMPILE_ENGINE_PDL_PREFETCH_TILES, any weight size), 0 none."""
-    if prefetches_weight(x, w, block_k, even_k):
-        return -1
-    tiles = pdl_settings().prefetch_tiles
-    return tiles if tiles and _can_prefetch(x, block_k, even_k) else 0
+    if even_k and block_k % 64 == 0 and half:
+        return kernel_config.pdl_prefetch_tiles
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,11 +406,13 @@ class LaunchConfig:
     tma: bool = False
 
 
-def skinny_gemm(x: Tensor, w: Tensor, **config) -> Tensor:
-    """x [M, K] @ w [N, K]^T with one explicit config (LaunchConfig's fields; the tuned
-    choice is `linear`'s)."""
+def skinny_gemm(
+    x: Tensor, w: Tensor, *, kernel_config: KernelConfig | None = None, **config
+) -> Tensor:
+    """x [M, K] @ w [N, K]^T with one explicit launch config (LaunchConfig's fields; the tuned
+    choice is `linear`'s); kernel_config's PDL settings (None: the defaults)."""
     _validate(x, w)
-    return _launch(x, w, None, LaunchConfig(**config))[0]
+    return _launch(x, w, None, LaunchConfig(**config), kernel_config or tuning.default())[0]
 
 
 def add_rms_norm_gemm(
@@ -464,9 +423,10 @@ def add_rms_norm_gemm(
     w: Tensor,
     *,
     gated: bool = False,
+    kernel_config: KernelConfig | None = None,
     **config,
 ) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual) @ w^T, x + residual) in one launch, config as `skinny_gemm`'s:
+    """(rms_norm(x + residual) @ w^T, x + residual) in one launch, configs as `skinny_gemm`'s:
     the first programs write the residual sum, a K-tile each, after their weight loop.
     Unsplit (split_k 1), a program's loop accumulates the norm's mean of squares beside the
     dot product of the unnormalised g * (x + residual) and scales by 1 / rms at the end: one
@@ -493,7 +453,8 @@ def add_rms_norm_gemm(
             f"{launch.programs_per_sm})"
         )
     _validate(x, w)
-    return _launch(x, w, (residual, norm_weight, eps), launch, gated)
+    kernel_config = kernel_config or tuning.default()
+    return _launch(x, w, (residual, norm_weight, eps), launch, kernel_config, gated)
 
 
 def _weight_descriptor(w: Tensor, block_n: int, block_k: int) -> TensorDescriptor:
@@ -513,6 +474,7 @@ def _launch(
     w: Tensor,
     norm: tuple[Tensor, Tensor, float] | None,
     config: LaunchConfig,
+    kernel_config: KernelConfig,
     gated: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     mode, block_m, block_n, block_k = config.mode, config.block_m, config.block_n, config.block_k
@@ -545,7 +507,7 @@ def _launch(
         row_programs = triton.cdiv(n_size, block_n)
     grid = (row_programs, split_k, triton.cdiv(num_rows, block_m))
     even_k = k_per_split * split_k == k_size
-    pdl = pdl_mode(x.device, num_rows)
+    pdl = pdl_on(kernel_config, x.device, num_rows)
     counters = _counters(x.device)
     if split_k > 1:
         if grid[0] * grid[2] > MAX_TILES:
@@ -584,14 +546,13 @@ def _launch(
             EVEN_K=even_k,
             RAGGED=programs_per_sm > 0,
             PDL=pdl,
-            PREFETCH=prefetch_tiles(x, w, block_k, even_k) if pdl > 0 else 0,
+            PREFETCH=prefetch_tiles(kernel_config, x, block_k, even_k) if pdl else 0,
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
-            DEFER=norm is not None and split_k == 1 and ab_switch(DEFER_SUM_ENV, default=True),
             TMA=config.tma,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            **pdl_launch(pdl > 0),
+            **pdl_launch(pdl),
         )
     return out, summed
 
@@ -600,16 +561,13 @@ def _launch(
 
 
 @functools.cache
-def config_table() -> ConfigTable:
-    return ConfigTable.load(CONFIG_FILE)
-
-
-@functools.cache
-def _entry(target: str, n_size: int, k_size: int, rows_bucket: int) -> ConfigEntry | None:
-    """The table entry tuned for this weight and row bucket: only entries of exactly this
-    (N, K) count (a config tuned for another weight says nothing about whether cuBLAS loses
-    here), the nearest M bucket among them."""
-    section = config_table().targets.get(target)
+def _entry(
+    tuning_key: str, target: str, n_size: int, k_size: int, rows_bucket: int
+) -> ConfigEntry | None:
+    """The entry of the kernel config's skinny_gemm table tuned for this weight and row
+    bucket: only entries of exactly this (N, K) count (a config tuned for another weight says
+    nothing about whether cuBLAS loses here), the nearest M bucket among them."""
+    section = tuning.resolve(tuning_key).table("skinny_gemm").targets.get(target)
     entries = [
         e
         for e in (section.entries if section else [])
@@ -621,16 +579,19 @@ def _entry(target: str, n_size: int, k_size: int, rows_bucket: int) -> ConfigEnt
 
 
 @functools.cache
-def config_for(target: str, n_size: int, k_size: int, rows_bucket: int) -> tuple[str, dict]:
+def config_for(
+    tuning_key: str, target: str, n_size: int, k_size: int, rows_bucket: int
+) -> tuple[str, dict]:
     """(kernel, launch config) tuned for this weight and row bucket (`_entry`): kernel "triton"
     with the skinny_gemm arguments, or "cublas" / "cublaslt" with none; no entry means cuBLAS."""
-    entry = _entry(target, n_size, k_size, rows_bucket)
+    entry = _entry(tuning_key, target, n_size, k_size, rows_bucket)
     if entry is None:
         return "cublas", {}
     config = dict(entry.config)
     kernel = config.pop("kernel")
     if kernel not in KERNELS:
-        raise SkinnyGemmError(f"{CONFIG_FILE}: unknown kernel {kernel!r}; one of {KERNELS}")
+        table = tuning.resolve(tuning_key).table_path("skinny_gemm")
+        raise SkinnyGemmError(f"{table}: unknown kernel {kernel!r}; one of {KERNELS}")
     return kernel, config
 
 
@@ -647,13 +608,13 @@ def reads_table(x: Tensor) -> bool:
     return INTERPRETED and x.device.type == "cpu" and x.dtype != torch.bfloat16
 
 
-def choose(x: Tensor, w: Tensor) -> tuple[str, dict]:
+def choose(kernel_config: KernelConfig, x: Tensor, w: Tensor) -> tuple[str, dict]:
     """The (kernel, config) `linear` runs x @ w^T with: the table's (`config_for`) for up to
     MAX_ROWS rows where it `reads_table`, else cuBLAS."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= MAX_ROWS or not reads_table(x):
         return "cublas", {}
-    return config_for("h100", w.shape[0], w.shape[1], bucket_tokens(rows))
+    return config_for(kernel_config.key, "h100", w.shape[0], w.shape[1], bucket_tokens(rows))
 
 
 @contextlib.contextmanager
@@ -669,15 +630,14 @@ def blas_library(name: str):
         torch.backends.cuda.preferred_blas_library(previous)
 
 
-# The op the skinny_gemm pass swaps in for a bias-free F.linear: opaque to Dynamo and Inductor
-# (Inductor would otherwise lower the mm to cuBLAS again), one call in the CUDA graph.
-@torch.library.custom_op("ce_kernels::skinny_linear", mutates_args=())
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """F.linear(x, w) by what won the tuning sweep for this weight and row count: the Triton
-    skinny GEMM, cuBLASLt, or cuBLAS (also where nothing was tuned)."""
-    kernel, config = choose(x, w)
+def tuned_linear(kernel_config: KernelConfig, x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w) by what won the tuning sweep for this weight and row count in the
+    kernel config's table: the Triton skinny GEMM, cuBLASLt, or cuBLAS (also where nothing
+    was tuned)."""
+    kernel, config = choose(kernel_config, x, w)
     if kernel == "triton":
-        out = skinny_gemm(x.reshape(-1, x.shape[-1]), w, **config)
+        flat = x.reshape(-1, x.shape[-1])
+        out = skinny_gemm(flat, w, kernel_config=kernel_config, **config)
         return out.view(*x.shape[:-1], w.shape[0])
     if kernel == "cublaslt" and x.is_cuda:
         with blas_library("cublaslt"):
@@ -685,12 +645,21 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
+# The op the skinny_gemm pass swaps in for a bias-free F.linear: opaque to Dynamo and Inductor
+# (Inductor would otherwise lower the mm to cuBLAS again), one call in the CUDA graph. `tuning`
+# is the key of the engine's KernelConfig (tuning.py).
+@torch.library.custom_op("ce_kernels::skinny_linear", mutates_args=())
+def linear(x: Tensor, w: Tensor, tuning_key: str) -> Tensor:
+    """`tuned_linear` with the kernel config whose key the pass gave."""
+    return tuned_linear(tuning.resolve(tuning_key), x, w)
+
+
 @linear.register_fake
-def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
+def _linear_fake(x: Tensor, w: Tensor, tuning_key: str) -> Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
-def fused_config(x: Tensor, w: Tensor, gated: bool) -> dict | None:
+def fused_config(kernel_config: KernelConfig, x: Tensor, w: Tensor, gated: bool) -> dict | None:
     """The launch config `add_rms_norm_linear` runs fused with, or None for the unfused path:
     the entry's `fused` config for this launch kind ("gated" with silu_and_mul, else "plain"),
     which `compile-engine bench gemm-norm --write-configs` writes only where the fused launch
@@ -699,17 +668,17 @@ def fused_config(x: Tensor, w: Tensor, gated: bool) -> dict | None:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= NORM_MAX_ROWS or not reads_table(x):
         return None
-    entry = _entry("h100", w.shape[0], w.shape[1], bucket_tokens(rows))
+    entry = _entry(kernel_config.key, "h100", w.shape[0], w.shape[1], bucket_tokens(rows))
     fused = (entry.info.get("fused", {}) if entry else {}).get("gated" if gated else "plain")
     return dict(fused["config"]) if fused else None
 
 
-def _activation(gate_up: Tensor) -> Tensor:
+def _activation(kernel_config: KernelConfig, gate_up: Tensor) -> Tensor:
     """silu_and_mul of a [.., 2I] GEMM output: the Triton kernel on CUDA, else the reference."""
     if gate_up.is_cuda and not INTERPRETED:
         from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
 
-        return silu_and_mul_triton(gate_up)
+        return silu_and_mul_triton(gate_up, kernel_config=kernel_config)
     return silu_and_mul_ref(gate_up)
 
 
@@ -718,32 +687,46 @@ def _activation(gate_up: Tensor) -> Tensor:
 # x + residual).
 @torch.library.custom_op("ce_kernels::add_rms_norm_linear", mutates_args=())
 def add_rms_norm_linear(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, gated: bool
+    x: Tensor,
+    residual: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    w: Tensor,
+    gated: bool,
+    tuning_key: str,
 ) -> tuple[Tensor, Tensor]:
     """Where `fused_config` gives a config: one launch of the skinny GEMM with the norm (and
     the activation) fused. Otherwise the norm as `ce::add_rms_norm` computes it (the Triton
-    norm kernel on CUDA, the reference elsewhere), `linear`, and silu_and_mul if gated."""
-    config = fused_config(x, w, gated)
+    norm kernel on CUDA, the reference elsewhere), `tuned_linear`, and silu_and_mul if gated."""
+    kernel_config = tuning.resolve(tuning_key)
+    config = fused_config(kernel_config, x, w, gated)
     out_features = w.shape[0] // 2 if gated else w.shape[0]
     if config is not None:
         flat = x.reshape(-1, x.shape[-1])
         out, summed = add_rms_norm_gemm(
-            flat, residual.reshape(flat.shape), norm_weight, eps, w, gated=gated, **config
-        )
+            flat, residual.reshape(flat.shape), norm_weight, eps, w, gated=gated,
+            kernel_config=kernel_config, **config,
+        )  # fmt: skip
         return out.view(*x.shape[:-1], out_features), summed.view(x.shape)
     if x.is_cuda and not INTERPRETED:
         from compile_engine.kernels_generated.add_rms_norm import rms_norm_triton
 
-        normed, summed = rms_norm_triton(x, norm_weight, eps, residual)
+        normed, summed = rms_norm_triton(x, norm_weight, eps, residual, kernel_config=kernel_config)
     else:
         normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
-    out = linear(normed, w)
-    return (_activation(out) if gated else out), summed
+    out = tuned_linear(kernel_config, normed, w)
+    return (_activation(kernel_config, out) if gated else out), summed
 
 
 @add_rms_norm_linear.register_fake
 def _add_rms_norm_linear_fake(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, w: Tensor, gated: bool
+    x: Tensor,
+    residual: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    w: Tensor,
+    gated: bool,
+    tuning_key: str,
 ) -> tuple[Tensor, Tensor]:
     out_features = w.shape[0] // 2 if gated else w.shape[0]
     return x.new_empty(*x.shape[:-1], out_features), torch.empty_like(x)

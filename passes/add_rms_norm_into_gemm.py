@@ -95,7 +95,7 @@ class AddRmsNormIntoGemm(GraphPass):
             activation = users[0] if len(users) == 1 and users[0].target is silu else None
             last = activation or linear
             x, residual, norm_weight, eps = norm.args
-            args = (x, residual, norm_weight, eps, weight, activation is not None)
+            args = (x, residual, norm_weight, eps, weight, activation is not None, ctx.kernel.key)
             with graph.inserting_before(norm):
                 fused = graph.call_function(kernel, args)
                 out = graph.call_function(operator.getitem, (fused, 0))

@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import fx
+
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.tuning import KernelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, slots=True)
 class PassContext:
-    """Where the graph will run: passes use it to decide whether they apply."""
+    """Where the graph will run (passes use it to decide whether they apply) and the kernel
+    config the kernels they lower to launch with: a pass gives a kernel op `kernel.key` as its
+    last argument (`lower`)."""
 
     target: str  # "cpu" | "h100"
     dtype: torch.dtype
+    kernel: KernelConfig = field(default_factory=tuning.default)
 
 
 class GraphPass:
@@ -59,3 +65,11 @@ def op_nodes(graph: fx.Graph, name: str) -> list[fx.Node]:
     """The call nodes of our op `name` (torch.ops.ce.<name>)."""
     overload = getattr(torch.ops.ce, name).default
     return [n for n in graph.nodes if n.op == "call_function" and n.target is overload]
+
+
+def lower(node: fx.Node, kernel_op, ctx: PassContext) -> None:
+    """Point `node` at our kernel op, its arguments followed by the kernel config's key: how
+    the tuning reaches the launch (kernels_generated/tuning.py)."""
+    node.target = kernel_op
+    node.args = (*node.args, *node.kwargs.values(), ctx.kernel.key)
+    node.kwargs = {}

@@ -68,7 +68,7 @@ class RotaryIntoAttention(GraphPass):
             positions, q, k, cos_sin_cache = rotary.args
             with graph.inserting_before(attention):
                 node = graph.call_function(
-                    fused, (q, k, *attention.args[2:], positions, cos_sin_cache)
+                    fused, (q, k, *attention.args[2:], positions, cos_sin_cache, ctx.kernel.key)
                 )
             node.meta.update(attention.meta)
             attention.replace_all_uses_with(node)

@@ -35,11 +35,12 @@ class PassManager:
         graph.lint()
 
     def uuid(self) -> str:
-        """Feeds the artifact's cache key: which passes, in which order, with which code."""
+        """Feeds the artifact's cache key: which passes, in which order, with which code, and
+        the kernel config their kernels launch with."""
         h = hashlib.sha256()
         for p in self.passes:
             h.update(f"{p.name}:{p.uuid()};".encode())
-        h.update(f"{self.ctx.target}:{self.ctx.dtype}".encode())
+        h.update(f"{self.ctx.target}:{self.ctx.dtype}:{self.ctx.kernel.key}".encode())
         return h.hexdigest()[:16]
 
     def describe(self) -> list[dict]:

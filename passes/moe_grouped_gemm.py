@@ -98,7 +98,7 @@ class MoEGroupedGemm(GraphPass):
             if args is None:
                 continue
             with graph.inserting_before(combine):
-                node = graph.call_function(fused, args)
+                node = graph.call_function(fused, (*args, ctx.kernel.key))
             node.meta.update(combine.meta)
             combine.replace_all_uses_with(node)
             graph.erase_node(combine)

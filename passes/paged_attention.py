@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.base import GraphPass, PassContext, lower, op_nodes
 from compile_engine.passes.registry import register
 
 
@@ -30,5 +30,5 @@ class PagedAttentionKernel(GraphPass):
         kernel = torch.ops.ce_kernels.paged_attention.default
         nodes = op_nodes(graph, "paged_attention")
         for node in nodes:
-            node.target = kernel
+            lower(node, kernel, ctx)
         return len(nodes)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.base import GraphPass, PassContext, lower, op_nodes
 from compile_engine.passes.registry import register
 
 
@@ -44,6 +44,6 @@ class RmsNormTriton(GraphPass):
         for op_name in ("rms_norm", "add_rms_norm"):
             kernel = getattr(torch.ops.ce_kernels, op_name).default
             for node in op_nodes(graph, op_name):
-                node.target = kernel
+                lower(node, kernel, ctx)
                 count += 1
         return count

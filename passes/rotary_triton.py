@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.base import GraphPass, PassContext, lower, op_nodes
 from compile_engine.passes.registry import register
 
 
@@ -37,5 +37,5 @@ class RotaryTriton(GraphPass):
         kernel = torch.ops.ce_kernels.rotary.default
         nodes = op_nodes(graph, "rotary")
         for node in nodes:
-            node.target = kernel
+            lower(node, kernel, ctx)
         return len(nodes)

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from compile_engine import kernels_generated
-from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.base import GraphPass, PassContext, lower, op_nodes
 from compile_engine.passes.registry import register
 
 
@@ -50,5 +50,5 @@ class SiluAndMulHelion(GraphPass):
         kernel = torch.ops.ce_kernels.silu_and_mul_helion.default
         nodes = op_nodes(graph, "silu_and_mul")
         for node in nodes:
-            node.target = kernel
+            lower(node, kernel, ctx)
         return len(nodes)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.base import GraphPass, PassContext, lower, op_nodes
 from compile_engine.passes.registry import register
 
 
@@ -42,5 +42,5 @@ class SiluAndMulTriton(GraphPass):
         kernel = torch.ops.ce_kernels.silu_and_mul.default
         nodes = op_nodes(graph, "silu_and_mul")
         for node in nodes:
-            node.target = kernel
+            lower(node, kernel, ctx)
         return len(nodes)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from compile_engine.passes.base import GraphPass, PassContext
+from compile_engine.passes.base import GraphPass, PassContext, lower
 from compile_engine.passes.registry import register
 
 
@@ -72,6 +72,6 @@ class SkinnyGemm(GraphPass):
         kernel = torch.ops.ce_kernels.skinny_linear.default
         nodes = bias_free_linears(graph)
         for node in nodes:
-            node.target = kernel
             node.args, node.kwargs = (node.args[0], node.args[1]), {}
+            lower(node, kernel, ctx)
         return len(nodes)

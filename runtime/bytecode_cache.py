@@ -13,8 +13,8 @@ Llama-3-8B artifact there imported in 1.48 s instead of 2.58 and the compiler's 
 `pycache/` in the engine's compile cache (compiler.config.default_cache_dir), so the first
 start writes the bytecode there and later starts read it. It must run before the heavy
 imports: the CLI calls it first thing. Nothing happens when torch's bytecode is already where
-Python looks for it, when the user set a prefix of their own, or with
-COMPILE_ENGINE_BYTECODE_CACHE=0. It imports only the standard library and compiler.config
+Python looks for it or when the user set a prefix of their own (PYTHONPYCACHEPREFIX, Python's
+own setting). It imports only the standard library and compiler.config
 (torch-free at import): it runs before torch is imported.
 """
 
@@ -24,8 +24,6 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-
-ENV_SWITCH = "COMPILE_ENGINE_BYTECODE_CACHE"
 
 
 def needed(probe: str = "torch") -> bool:
@@ -47,7 +45,7 @@ def needed(probe: str = "torch") -> bool:
 def enable(root: Path | None = None, probe: str = "torch") -> Path | None:
     """Give Python a writable bytecode cache under `root` (default: the engine's cache dir) if
     the installed packages need one; returns the directory in use, or None if left alone."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or sys.pycache_prefix is not None:
+    if sys.pycache_prefix is not None:
         return None
     if not needed(probe):
         return None

@@ -18,6 +18,7 @@ from compile_engine.compiler.artifact import Manifest, device_description, is_ar
 from compile_engine.compiler.compiled_model import CompiledForward
 from compile_engine.compiler.config import CompileConfig
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
+from compile_engine.kernels_generated.tuning import KernelConfig, KernelConfigError
 from compile_engine.models.config import ModelConfig, config_from_dict
 from compile_engine.models.loader import LoadedModel, WeightRead, open_model
 from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer
@@ -66,6 +67,9 @@ class EngineConfig:
     seed: int = 0
     max_waiting: int | None = None
     passes: str | None = None  # see passes/registry.py: "+name,-name" or "a,b"
+    # Our kernels' launch choices (kernels_generated/tuning.py): a KernelConfig, its dict or
+    # JSON form (`--kernel-config`), None for the defaults; an artifact's own when loading one.
+    kernel_config: KernelConfig | dict | str | None = None
     cuda_graphs: bool = True  # off: compiled pieces run without graphs (for measurements)
     # Schedule and prepare step N+1 while step N runs on the device. Off, or while any live
     # request uses a penalty (which needs every previous token on the host), steps run one at
@@ -98,6 +102,11 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_pool_sequences={pool!r} is invalid: must be an integer >= 1"
             )
+        if self.kernel_config is not None:
+            try:
+                self.kernel_config = KernelConfig.coerce(self.kernel_config)
+            except KernelConfigError as exc:
+                raise EngineConfigError(f"kernel_config: {exc}") from None
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +199,14 @@ class LLMEngine:
                 model = str(artifact / manifest.weights_path)
             cache_dir = artifact / "inductor-cache"
             passes = ",".join(p["name"] for p in manifest.passes)
+            built = manifest.kernel()
+            if config.kernel_config is not None and config.kernel_config != built:
+                raise EngineConfigError(
+                    f"artifact {artifact} was built with another kernel config "
+                    f"({built.to_dict()}); drop kernel_config to use the artifact's, or "
+                    f"rebuild it with the new one: {manifest.rebuild_hint(artifact)}"
+                )
+            config.kernel_config = built
             if config.max_model_len is None:
                 config.max_model_len = manifest.engine_args.get("max_model_len")
             if config.max_cuda_graph_tokens is None:
@@ -232,7 +249,12 @@ class LLMEngine:
         if not config.enforce_eager:
             # Imports Dynamo and Inductor (seconds), while the model gets its storage.
             mark = time.perf_counter()
-            compile_config = CompileConfig(target=config.target, passes=passes, cache_dir=cache_dir)
+            compile_config = CompileConfig(
+                target=config.target,
+                passes=passes,
+                cache_dir=cache_dir,
+                kernel=KernelConfig.coerce(config.kernel_config),
+            )
             self.compiled = CompiledForward(loaded.model, compile_config, loaded.dtype)
             self.timings["compiler_init_s"] = time.perf_counter() - mark
         self._wait_for_weights(storage_only=True)

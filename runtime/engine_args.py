@@ -28,6 +28,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
+    parser.add_argument(
+        "--kernel-config",
+        default=None,
+        help="our kernels' launch choices as JSON, e.g. '{\"pdl\": false}' "
+        "(kernels_generated/tuning.py; default: the tuned defaults)",
+    )
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
         "--no-async-scheduling",
@@ -50,6 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         passes=args.passes,
+        kernel_config=args.kernel_config,
         cuda_graphs=not args.no_cuda_graphs,
         async_scheduling=not getattr(args, "no_async_scheduling", False),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from compile_engine.runtime.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         passes: str | None = None,
+        kernel_config: KernelConfig | dict | str | None = None,
         cuda_graphs: bool = True,
         async_scheduling: bool = True,
     ) -> None:
@@ -51,6 +53,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
             passes=passes,
+            kernel_config=kernel_config,
             cuda_graphs=cuda_graphs,
             async_scheduling=async_scheduling,
         )

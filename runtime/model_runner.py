@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner
-from compile_engine.kernels_generated.device import env_switch
 from compile_engine.models.layers import AttentionMetadata
 from compile_engine.models.loader import LoadedModel
 from compile_engine.runtime.sampler import Sampler, SamplingBatch
@@ -176,9 +175,6 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.counters = StepCounters()
-        # COMPILE_ENGINE_DECODE_SHORTCUTS=0: every step through the general index path, for
-        # the A/B of the decode-step shortcuts below (read once).
-        self.decode_shortcuts = env_switch("COMPILE_ENGINE_DECODE_SHORTCUTS", default=True)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -260,7 +256,7 @@ class ModelRunner:
     def _input_ids(self, inputs: PreparedInputs, previous: InFlightStep | None) -> torch.Tensor:
         """The step's token ids on the device, pending ones read from the previous step's
         sampled tokens there: the host never waits for them."""
-        if self.decode_shortcuts and inputs.pending and _all_pending_in_order(inputs, previous):
+        if inputs.pending and _all_pending_in_order(inputs, previous):
             # A decode step of exactly the requests the step ahead sampled, in its row order:
             # its ids are that step's tokens as they are, with no index copies or gathers (each
             # a separate device operation between two steps' graphs).
@@ -297,7 +293,7 @@ class ModelRunner:
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
             return InFlightStep(step, [], None, None, None)
-        if self.decode_shortcuts and len(inputs.sample_rows) == hidden.shape[0]:
+        if len(inputs.sample_rows) == hidden.shape[0]:
             logits = self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
         else:
             rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)

@@ -1,55 +1,48 @@
-"""Compile settings: what `apply_inductor_settings` tells Inductor for each target."""
+"""Compile settings: what `apply_inductor_settings` tells Inductor for each target, and the
+kernel config an artifact records and a load of it keeps."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch._inductor.config as inductor_config
 
-from compile_engine.compiler.config import (
-    INDUCTOR_PDL_ENV,
-    CompileConfig,
-    CompileConfigError,
-    apply_inductor_settings,
-    inductor_pdl,
+from compile_engine.compiler.artifact import (
+    FORMAT_VERSION,
+    ArtifactError,
+    Manifest,
+    code_hash,
+    device_description,
+    model_fingerprint,
+    versions,
 )
+from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.tuning import KernelConfig
 
 
-def test_inductor_pdl_is_on_only_when_asked_for_and_only_for_h100(monkeypatch):
-    monkeypatch.delenv(INDUCTOR_PDL_ENV, raising=False)
-    assert not inductor_pdl(CompileConfig(target="h100"))
-    monkeypatch.setenv(INDUCTOR_PDL_ENV, "1")
-    assert inductor_pdl(CompileConfig(target="h100"))
-    assert not inductor_pdl(CompileConfig(target="cpu"))
-    monkeypatch.setenv(INDUCTOR_PDL_ENV, "0")
-    assert not inductor_pdl(CompileConfig(target="h100"))
-    monkeypatch.setenv(INDUCTOR_PDL_ENV, "yes")
-    with pytest.raises(CompileConfigError, match="set it to 1 .on. or 0"):
-        inductor_pdl(CompileConfig(target="h100"))
-
-
-@pytest.mark.parametrize(
-    ("target", "env", "want"), [("h100", "1", True), ("h100", "0", False), ("cpu", "1", False)]
-)
-def test_apply_inductor_settings_sets_pdl(target, env, want, tmp_path, monkeypatch):
+@pytest.mark.parametrize("target", ["h100", "cpu"])
+def test_inductors_pdl_is_off_whatever_the_environment_says(target, tmp_path, monkeypatch):
+    # It enters Inductor's cache key: build and load must agree, so the shell cannot choose.
     from torch._inductor.runtime import compile_tasks
 
     monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: None)
-    monkeypatch.setenv(INDUCTOR_PDL_ENV, env)
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     # The settings are process-wide: the patch restores them after the test.
-    with inductor_config.patch({"triton.enable_pdl": not want, "fx_graph_cache": True}):
+    with inductor_config.patch({"triton.enable_pdl": True, "fx_graph_cache": True}):
         apply_inductor_settings(CompileConfig(target=target, cache_dir=tmp_path))
-        assert inductor_config.triton.enable_pdl is want
+        assert inductor_config.triton.enable_pdl is False
 
 
 @pytest.mark.parametrize(("target", "pinned"), [("h100", True), ("cpu", False)])
 def test_h100_settings_pin_triton_to_inductors_ptxas(target, pinned, tmp_path, monkeypatch):
     # The ptxas Triton uses enters every kernel's cache key. Inductor switches to torch's own
     # only when it compiles in this process, so the h100 settings switch first: otherwise a
-    # load that compiles Inductor's kernels here (PDL on) recompiles all of ours.
+    # load that compiles Inductor's kernels here recompiles all of ours.
     from torch._inductor.runtime import compile_tasks
 
     calls = []
@@ -61,31 +54,17 @@ def test_h100_settings_pin_triton_to_inductors_ptxas(target, pinned, tmp_path, m
     assert (calls == ["ptxas"]) is pinned
 
 
-def test_an_artifact_built_with_the_other_inductor_pdl_setting_is_refused(tmp_path, monkeypatch):
-    # Inductor's PDL enters its cache key: loaded with the other setting, every piece would
-    # compile again. The manifest records the build's setting and the load-time check names
-    # the variable to set.
-    from dataclasses import replace
-
-    from compile_engine.compiler.artifact import (
-        ArtifactError,
-        Manifest,
-        code_hash,
-        device_description,
-        model_fingerprint,
-        versions,
-    )
-
+def _manifest(tmp_path, kernel: KernelConfig) -> Manifest:
     model = tmp_path / "model"
-    model.mkdir()
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
-    built = Manifest(
+    return Manifest(
         model_path=str(model),
         model_kind="hf",
         model_fingerprint=model_fingerprint(model),
         architecture="LlamaForCausalLM",
         dtype="float32",
-        target="h100",
+        target="cpu",
         device=device_description("cpu"),
         code_hash=code_hash(),
         versions=versions(),
@@ -95,20 +74,61 @@ def test_an_artifact_built_with_the_other_inductor_pdl_setting_is_refused(tmp_pa
         compile={},
         kernels=[],
         timings={},
-        inductor_pdl=True,
+        kernel_config=kernel.describe(),
     )
-    cpu = replace(built, target="cpu", inductor_pdl=False)
-    monkeypatch.delenv(INDUCTOR_PDL_ENV, raising=False)
-    cpu.check(tmp_path)  # agrees: nothing to refuse
-    with pytest.raises(ArtifactError, match="TORCHINDUCTOR_ENABLE_PDL=1 .this process: 0"):
-        replace(cpu, inductor_pdl=True).check(tmp_path)
-    monkeypatch.setenv(INDUCTOR_PDL_ENV, "1")
-    with pytest.raises(ArtifactError, match="TORCHINDUCTOR_ENABLE_PDL=1 .this process: 0"):
-        replace(cpu, inductor_pdl=True).check(tmp_path)  # never on for the cpu target
-    # A manifest written before the field existed reads as built with it off.
+
+
+def test_the_manifest_records_the_kernel_config_and_its_key_enters_the_cache_key(tmp_path):
+    off = KernelConfig(pdl=False)
+    manifest = _manifest(tmp_path, off)
     artifact = tmp_path / "artifact"
     artifact.mkdir()
-    data = json.loads(built.write(artifact).read_text())
-    del data["inductor_pdl"]
+    manifest.write(artifact)
+    read = Manifest.read(artifact)
+    assert read.kernel() == off and read.kernel().key == off.key
+    read.check(artifact)  # this machine and this code reproduce it
+    assert _manifest(tmp_path, tuning.default()).cache_key != manifest.cache_key
+
+
+def test_an_artifact_whose_tuning_tables_changed_since_is_refused(tmp_path):
+    table = tmp_path / "rotary.json"
+    table.write_bytes(tuning.default().table_path("rotary").read_bytes())
+    manifest = _manifest(tmp_path, KernelConfig(tables={"rotary": str(table)}))
+    manifest.check(tmp_path)
+    data = json.loads(table.read_text())
+    data["default"]["num_warps"] = 8
+    table.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="kernel tuning tables as they were then"):
+        manifest.check(tmp_path)
+
+
+def test_an_artifact_of_the_previous_format_is_refused_with_the_rebuild_command(tmp_path):
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    data = json.loads(_manifest(tmp_path, tuning.default()).write(artifact).read_text())
+    data["format"] = FORMAT_VERSION - 1
     (artifact / "manifest.json").write_text(json.dumps(data))
-    assert Manifest.read(artifact).inductor_pdl is False
+    with pytest.raises(ArtifactError, match="rebuild it with `compile-engine build`"):
+        Manifest.read(artifact)
+
+
+def test_loading_an_artifact_with_another_kernel_config_is_refused(tmp_path):
+    from compile_engine.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    replace(_manifest(tmp_path, KernelConfig(pdl=False))).write(artifact)
+    config = EngineConfig(model=str(artifact), target="cpu", kernel_config={"pdl": True})
+    with pytest.raises(EngineConfigError, match="built with another kernel config"):
+        LLMEngine(config)
+
+
+def test_engine_config_takes_a_kernel_config_as_json_and_names_a_bad_field():
+    from compile_engine.runtime.engine import EngineConfig, EngineConfigError
+
+    config = EngineConfig(model="m", target="cpu", kernel_config='{"pdl_prefetch_tiles": 2}')
+    assert config.kernel_config == KernelConfig(pdl_prefetch_tiles=2)
+    with pytest.raises(EngineConfigError, match="unknown kernel config fields \\['pdll'\\]"):
+        EngineConfig(model="m", target="cpu", kernel_config={"pdll": False})
+    with pytest.raises(EngineConfigError, match="is not JSON"):
+        EngineConfig(model="m", target="cpu", kernel_config="{pdl: off")

@@ -4,12 +4,16 @@ checked is the choice and the buffers it reads; tests/gpu/test_h100.py replays r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, short_table_widths
 from compile_engine.kernels_generated import paged_attention as pa
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.kernels_generated.tuning import AttentionTuning, KernelConfig
 from compile_engine.models.layers import AttentionMetadata
 
 CPU = torch.device("cpu")
@@ -18,22 +22,24 @@ PAGED = {"paged_attention_triton": 0, "rotary_into_attention": 2}
 
 
 @pytest.fixture
-def unsplit_48(monkeypatch: pytest.MonkeyPatch):
-    """The CPU decode config with a 48-key unsplit bound (the CUDA one sets 160)."""
-    [(least, config)] = pa._CONFIGS["cpu"]
-    monkeypatch.setitem(pa._CONFIGS, "cpu", [(least, {**config, "UNSPLIT_KEYS": 48})])
+def unsplit_48() -> KernelConfig:
+    """A kernel config whose CPU decode tier has a 48-key unsplit bound (the CUDA one sets 160)."""
+    attention = AttentionTuning()
+    [tier] = attention.decode_cpu
+    cpu = (dataclasses.replace(tier, unsplit_keys=48),)
+    return KernelConfig(attention=dataclasses.replace(attention, decode_cpu=cpu))
 
 
 def test_widths_where_a_narrow_table_runs_unsplit(unsplit_48):
     # 2 KV heads on CPU_SM_COUNT (8) "SMs": sizes 1 and 2 split a wide table, 4 and up do not.
     assert CPU_SM_COUNT == 8
-    assert short_table_widths(PAGED, 2, SIZES, 16, 1000, CPU) == {1: 3, 2: 3}
-    assert short_table_widths(PAGED, 2, SIZES, 5, 1000, CPU) == {1: 9, 2: 9}  # 45 keys
+    assert short_table_widths(PAGED, unsplit_48, 2, SIZES, 16, 1000, CPU) == {1: 3, 2: 3}
+    assert short_table_widths(PAGED, unsplit_48, 2, SIZES, 5, 1000, CPU) == {1: 9, 2: 9}  # 45 keys
     # A full table no wider than the short one, a block wider than the bound, no paged
     # attention kernel in the compiled forward (an MLA model, the CPU target): none.
-    assert short_table_widths(PAGED, 2, SIZES, 16, 3, CPU) == {}
-    assert short_table_widths(PAGED, 2, SIZES, 64, 1000, CPU) == {}
-    assert short_table_widths({"mla_absorb": 3}, 2, SIZES, 16, 1000, CPU) == {}
+    assert short_table_widths(PAGED, unsplit_48, 2, SIZES, 16, 3, CPU) == {}
+    assert short_table_widths(PAGED, unsplit_48, 2, SIZES, 64, 1000, CPU) == {}
+    assert short_table_widths({"mla_absorb": 3}, unsplit_48, 2, SIZES, 16, 1000, CPU) == {}
 
 
 def test_for_compiled_sizes_the_tables_and_the_short_graphs(unsplit_48):
@@ -41,7 +47,10 @@ def test_for_compiled_sizes_the_tables_and_the_short_graphs(unsplit_48):
     # the compiled forward's passes.
     import types
 
-    compiled = types.SimpleNamespace(pass_manager=types.SimpleNamespace(match_counts=PAGED))
+    compiled = types.SimpleNamespace(
+        pass_manager=types.SimpleNamespace(match_counts=PAGED),
+        config=types.SimpleNamespace(kernel=unsplit_48),
+    )
     runner = CUDAGraphRunner.for_compiled(
         compiled, [], capture_sizes=SIZES, max_num_seqs=4, max_model_len=1000, block_size=16,
         num_kv_heads=2, device=CPU,
@@ -56,7 +65,8 @@ def test_for_compiled_sizes_the_tables_and_the_short_graphs(unsplit_48):
 
 
 def test_widths_none_without_the_bound():
-    assert short_table_widths(PAGED, 2, SIZES, 16, 1000, CPU) == {}  # CPU config sets none
+    # The default CPU tier sets none.
+    assert short_table_widths(PAGED, tuning.default(), 2, SIZES, 16, 1000, CPU) == {}
 
 
 class _Graph:
@@ -144,10 +154,11 @@ def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):
     # tokens split as before whatever the width; from 17 tokens nothing splits.
     cuda = torch.device("cuda")
     monkeypatch.setattr(pa, "sm_count", lambda device: 132)
-    assert pa.choose_num_splits(1, 8, 160, cuda) == 1
-    assert pa.choose_num_splits(1, 8, 176, cuda) == 3  # 176 keys, 64 a split
-    assert pa.choose_num_splits(2, 8, 160, cuda) == 3
-    assert pa.choose_num_splits(1, 8, 131072, cuda) == 33
-    assert [pa.unsplit_context(t, 8, cuda) for t in (1, 2, 16, 17)] == [160, 0, 0, 0]
+    config = tuning.default()
+    assert pa.choose_num_splits(config, 1, 8, 160, cuda) == 1
+    assert pa.choose_num_splits(config, 1, 8, 176, cuda) == 3  # 176 keys, 64 a split
+    assert pa.choose_num_splits(config, 2, 8, 160, cuda) == 3
+    assert pa.choose_num_splits(config, 1, 8, 131072, cuda) == 33
+    assert [pa.unsplit_context(config, t, 8, cuda) for t in (1, 2, 16, 17)] == [160, 0, 0, 0]
     sizes = [1, 2, 4, 8, 12, 16, 24, 32]
-    assert short_table_widths(PAGED, 8, sizes, 16, 8192, cuda) == {1: 10}
+    assert short_table_widths(PAGED, config, 8, sizes, 16, 8192, cuda) == {1: 10}

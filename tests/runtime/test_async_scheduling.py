@@ -145,13 +145,3 @@ def test_decode_steps_take_the_step_aheads_tokens_as_they_are(tiny_dir):
     assert not any(sync_taken)  # nothing pending without a step in flight
     # Every decode step until the first request finishes, and again among the rest.
     assert sum(taken) >= 10, taken
-
-
-def test_decode_shortcuts_switch_off(tiny_dir, monkeypatch):
-    directory, _ = tiny_dir
-    monkeypatch.setenv("COMPILE_ENGINE_DECODE_SHORTCUTS", "0")
-    llm = LLM(str(directory), dtype="float32", target="cpu", enforce_eager=True)
-    assert not llm.engine.runner.decode_shortcuts
-    monkeypatch.setenv("COMPILE_ENGINE_DECODE_SHORTCUTS", "maybe")
-    with pytest.raises(ValueError, match="COMPILE_ENGINE_DECODE_SHORTCUTS='maybe'"):
-        LLM(str(directory), dtype="float32", target="cpu", enforce_eager=True)

@@ -39,10 +39,10 @@ def _package(tmp_path: Path) -> Path:
 
 
 def _child(site: Path, root: Path, **env: str) -> dict:
-    environ = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", **env}
+    environ = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
     environ.pop("PYTHONPYCACHEPREFIX", None)
-    if "PYTHONDONTWRITEBYTECODE" not in env:
-        environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    environ.update(env)
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(root)],
         capture_output=True, text=True, env=environ, cwd=REPO, timeout=120,
@@ -72,10 +72,11 @@ def test_an_install_with_its_bytecode_is_left_alone(tmp_path):
     assert not (root / "pycache").exists()
 
 
-def test_the_switch_turns_it_off(tmp_path):
-    site, root = _package(tmp_path), tmp_path / "cache"
-    out = _child(site, root, PYTHONDONTWRITEBYTECODE="1", COMPILE_ENGINE_BYTECODE_CACHE="0")
-    assert out["needed"] and out["prefix"] is None and not out["exists_after_import"]
+def test_a_prefix_of_the_users_own_is_left_alone(tmp_path):
+    site, root, own = _package(tmp_path), tmp_path / "cache", tmp_path / "own"
+    out = _child(site, root, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(own))
+    assert out["needed"] and out["prefix"] is None
+    assert out["cached"].startswith(str(own)) and not (root / "pycache").exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")

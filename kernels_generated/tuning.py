@@ -1,0 +1,304 @@
+"""Kernel tuning as data: every launch choice of our kernels that is not a tensor shape.
+
+One frozen `KernelConfig` is built when an engine or a build starts (from `LLM(kernel_config=
+...)`, `--kernel-config '{json}'`, or an artifact's manifest), handed to the passes in their
+`PassContext`, and reaches every launch explicitly: a pass that lowers an op to one of our
+kernels gives the kernel op the config's `key` as its last argument, and the op resolves the
+key to the config (`resolve`). The build records the whole config in the artifact's manifest
+and its key in the cache key, so an artifact behaves the same whatever shell loads it, and
+`compile-engine inspect` shows it. Nothing here reads the environment.
+
+What it holds:
+- PDL (programmatic dependent launch, sm_90+): in launches of at most `pdl_max_rows` tokens
+  our kernels launch as PDL dependents: a kernel may start before the one ahead of it ends; each
+  program waits (griddepcontrol.wait) for that kernel before it touches memory, and releases the
+  kernel after it once its main loop is done (griddepcontrol.launch_dependents before the
+  epilogue), so the next kernel's programs take each SM as this one's leave it. Each skinny GEMM
+  program puts the first `pdl_prefetch_tiles` K-tiles of its weight slice into L2 before it
+  waits. Measured on the H200 (`bench latency`, batch 1, variants alternating in one call):
+  ours on against off 232.0 / 232.2 against 228.8 / 229.3 tok/s (57cd701); releasing late
+  against when the kernel ends 240.6 / 240.5 against 238.9 / 238.6 (db83b9a); one prefetched
+  K-tile against none 241.9 / 242.0 against 240.1 (9a6247e). Launches of more tokens stay
+  plain: at batch 64 and 256 PDL was within the spread (9f6b2fa). The variants that lost
+  (releasing at once, whole-weight prefetch, attention released apart) are in docs/compiler.md.
+- The tuned tables of the table-driven kernels (configs/<kernel>.json, nearest shape key;
+  kernels_generated/configs.py): `tables` names another file for a kernel (an experiment's
+  table, say); the key covers every table's bytes, so retuning changes the key.
+- Paged attention's launch configs and split policy (`AttentionTuning`), measured on the H200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compile_engine.kernels_generated.configs import CONFIG_DIR, ConfigTable
+
+# The kernels whose launch configs come from a tuned table, configs/<name>.json by default.
+TABLES = (
+    "add_rms_norm",
+    "moe_grouped_gemm",
+    "rotary",
+    "silu_and_mul",
+    "silu_and_mul_helion",
+    "skinny_gemm",
+)
+
+
+class KernelConfigError(ValueError):
+    """A kernel tuning setting is invalid or unknown; the message says what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """The single-token paged-attention kernel's config for launches of at least `least` tokens
+    (the last tier that fits applies). min_split_keys: the fewest keys a KV split takes.
+    unsplit_keys: a block table at most this many keys wide runs in one split (0: no bound).
+    maxnreg: a register cap (more programs resident an SM), None for none."""
+
+    least: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_split_keys: int
+    unsplit_keys: int = 0
+    maxnreg: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TiledConfig:
+    """The query-tiled prefill kernel's config: `rows` dot rows a program (BLOCK_M query tokens
+    x the query-head group rounded up to a power of two)."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# CUDA decode tiers, from a sweep on the H200 at 9488c66 (bf16, Llama-3-8B heads, block 16,
+# CUDA-graph replay; batch x context): BLOCK_N 32 / 2 warps / 2 stages from 17 tokens, 41 / 174 us
+# at 256 x 32-160 / 513-768, 13.0 / 263 / 2,025 us at 64 x 40-160 / 4k / 32k (64 / 2 / 2: 50.8 /
+# 178 at batch 256, 15.9 / 249 / 1,904 at batch 64). Below, where T x Hkv programs leave SMs idle
+# and split-KV runs, 64 / 4 / 2: 8.5 / 50.4 us at 1 x 100 / 32k, 29.9 at 8 x 1.5k-2.5k, 13.5 at 16
+# x 200-400. MIN_SPLIT_KEYS 64 against 256 took 16 x 200-400 from 19.6 to 15.1 us. From 100
+# tokens the register cap of 128 gives 8 programs an SM instead of 6 (0c6c8eb: 37.9 / 170 / 985
+# us against 38.4 / 174 / 1,012 at 256 x 100 / 640 / 4k; at 64 tokens it lost). One split on a
+# table of <= 160 keys at one token (908d9f3, batch 1, contexts 33-160): 247.5 / 247.3 tok/s
+# against 245.9 / 245.9 with the wide table's splits; 2-16 tokens not timed, so they split.
+_CUDA_DECODE = (
+    DecodeConfig(1, 64, 4, 2, min_split_keys=64, unsplit_keys=160),
+    DecodeConfig(2, 64, 4, 2, min_split_keys=64),
+    DecodeConfig(17, 32, 2, 2, min_split_keys=64),
+    DecodeConfig(100, 32, 2, 2, min_split_keys=64, maxnreg=128),
+)
+_CPU_DECODE = (DecodeConfig(1, 16, 1, 1, min_split_keys=16),)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTuning:
+    """Paged attention's launch choices, per device type ("cuda", "cpu": the interpreter).
+    combine_splits: the split partials the combining program loads a step. tiled_min_tokens_per_
+    seq: the tiled prefill variant runs for batches with at least this many tokens per sequence
+    slot (shapes only, so capture and replay agree). Tiled CUDA config: the best of ROWS {64,
+    128} x BLOCK_N {32, 64, 128} x warps {4, 8} x stages {2, 3} on the H200 for three 600-token
+    chunks beside 237 decodes (321 us) and within 2% of the best on four 512-token chunks."""
+
+    decode_cuda: tuple[DecodeConfig, ...] = _CUDA_DECODE
+    decode_cpu: tuple[DecodeConfig, ...] = _CPU_DECODE
+    tiled_cuda: TiledConfig = TiledConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
+    tiled_cpu: TiledConfig = TiledConfig(rows=16, block_n=16, num_warps=1, num_stages=1)
+    tiled_min_tokens_per_seq: int = 2
+    max_splits: int = 64
+    combine_splits: int = 8
+
+    def decode(self, num_tokens: int, device_type: str) -> DecodeConfig:
+        """The single-token kernel's config for a launch of num_tokens tokens (shapes only)."""
+        tiers = self.decode_cpu if device_type == "cpu" else self.decode_cuda
+        return [tier for tier in tiers if tier.least <= max(num_tokens, 1)][-1]
+
+    def tiled(self, device_type: str) -> TiledConfig:
+        return self.tiled_cpu if device_type == "cpu" else self.tiled_cuda
+
+    def validate(self) -> None:
+        for name in ("decode_cuda", "decode_cpu"):
+            tiers = getattr(self, name)
+            if not tiers or tiers[0].least != 1:
+                raise KernelConfigError(f"attention.{name} needs a first tier with least 1")
+            if any(a.least >= b.least for a, b in zip(tiers, tiers[1:], strict=False)):
+                raise KernelConfigError(f"attention.{name}: tiers must grow in `least`")
+            for tier in tiers:
+                _powers_of_two(f"attention.{name}", block_n=tier.block_n)
+                if tier.min_split_keys < 1:
+                    raise KernelConfigError(f"attention.{name}: min_split_keys must be >= 1")
+        for name in ("tiled_cuda", "tiled_cpu"):
+            tiled = getattr(self, name)
+            _powers_of_two(f"attention.{name}", rows=tiled.rows, block_n=tiled.block_n)
+            if tiled.rows < 16:
+                raise KernelConfigError(f"attention.{name}: rows must be >= 16 (tl.dot's least)")
+        for name in ("tiled_min_tokens_per_seq", "max_splits", "combine_splits"):
+            if getattr(self, name) < 1:
+                raise KernelConfigError(f"attention.{name} must be >= 1")
+
+
+def _powers_of_two(where: str, **values: int) -> None:
+    for name, value in values.items():
+        if value < 1 or value & (value - 1):
+            raise KernelConfigError(f"{where}: {name}={value} must be a power of two")
+
+
+_REGISTRY: dict[str, KernelConfig] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Our kernels' launch choices (module docstring). Built once per engine or build; `key`
+    (a content hash, which the kernel ops receive) is computed at construction, and the config
+    is then resolvable from it in this process."""
+
+    pdl: bool = True
+    pdl_max_rows: int = 16
+    pdl_prefetch_tiles: int = 1
+    # kernel -> JSON table file used instead of configs/<kernel>.json
+    tables: dict[str, str] = field(default_factory=dict)
+    attention: AttentionTuning = field(default_factory=AttentionTuning)
+    key: str = field(init=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pdl, bool):
+            raise KernelConfigError(f"pdl={self.pdl!r}: want true or false")
+        for name in ("pdl_max_rows", "pdl_prefetch_tiles"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise KernelConfigError(f"{name}={value!r}: want a whole number >= 0")
+        unknown = sorted(set(self.tables) - set(TABLES))
+        if unknown:
+            raise KernelConfigError(
+                f"tables names unknown kernels {unknown}; tuned tables exist for {list(TABLES)}"
+            )
+        for kernel, path in self.tables.items():
+            if not Path(path).is_file():
+                raise KernelConfigError(f"tables.{kernel}: {path} is not a file")
+        self.attention.validate()
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
+        for kernel in TABLES:
+            digest.update(self.table_path(kernel).read_bytes())
+        object.__setattr__(self, "key", digest.hexdigest()[:16])
+        _REGISTRY.setdefault(self.key, self)
+
+    def table_path(self, kernel: str) -> Path:
+        return Path(self.tables.get(kernel) or CONFIG_DIR / f"{kernel}.json")
+
+    def table(self, kernel: str) -> ConfigTable:
+        """The tuned table of `kernel` (loaded once per file in a process)."""
+        return _load_table(str(self.table_path(kernel).resolve()))
+
+    def to_dict(self) -> dict:
+        """Every setting, JSON-safe; `from_dict` inverts it."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "key"}
+        data["attention"] = dataclasses.asdict(self.attention)
+        data["tables"] = dict(self.tables)
+        return data
+
+    def describe(self) -> dict:
+        """What the manifest records and `inspect` shows: the settings, the key, and each
+        table's file and content hash."""
+        tables = {}
+        for kernel in TABLES:
+            path = self.table_path(kernel)
+            shipped = kernel not in self.tables  # configs/<kernel>.json, shown without its root
+            tables[kernel] = {
+                "file": f"configs/{path.name}" if shipped else str(path),
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16],
+            }
+        return {"key": self.key, "settings": self.to_dict(), "tables": tables}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KernelConfig:
+        """A config from `to_dict`'s form or a partial one (the rest default); unknown fields
+        are an error that lists the known ones."""
+        if not isinstance(data, dict):
+            raise KernelConfigError(f"a kernel config is a JSON object, got {data!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.name != "key"}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise KernelConfigError(
+                f"unknown kernel config fields {unknown}; known: {sorted(names)}"
+            )
+        data = dict(data)
+        if "attention" in data:
+            data["attention"] = _attention_from_dict(data["attention"])
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise KernelConfigError(f"kernel config {data!r}: {exc}") from None
+
+    @classmethod
+    def coerce(cls, value: KernelConfig | dict | str | None) -> KernelConfig:
+        """A KernelConfig from what an `LLM(...)` argument or a `--kernel-config` flag gives:
+        a config, a dict, a JSON string, or None for the defaults."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise KernelConfigError(f"kernel config {value!r} is not JSON: {exc}") from None
+        return cls.from_dict(value)
+
+
+def _attention_from_dict(data: dict | AttentionTuning) -> AttentionTuning:
+    if isinstance(data, AttentionTuning):
+        return data
+    if not isinstance(data, dict):
+        raise KernelConfigError(f"attention must be an object, got {data!r}")
+    names = {f.name for f in dataclasses.fields(AttentionTuning)}
+    if unknown := sorted(set(data) - names):
+        raise KernelConfigError(f"unknown attention fields {unknown}; known: {sorted(names)}")
+    fields: dict = {}
+    try:
+        for name, value in data.items():
+            if name.startswith("decode_"):
+                fields[name] = tuple(DecodeConfig(**tier) for tier in value)
+            elif name.startswith("tiled_") and isinstance(value, dict):
+                fields[name] = TiledConfig(**value)
+            else:
+                fields[name] = value
+    except TypeError as exc:
+        raise KernelConfigError(f"attention {data!r}: {exc}") from None
+    return AttentionTuning(**fields)
+
+
+@functools.cache
+def _load_table(path: str) -> ConfigTable:
+    return ConfigTable.load(path)
+
+
+def table_written() -> None:
+    """A tuner rewrote a table file: the next `KernelConfig.table` reads it again (configs
+    built before keep the key of the bytes they saw)."""
+    _load_table.cache_clear()
+
+
+def resolve(key: str) -> KernelConfig:
+    """The config whose `key` a kernel op received. Every config constructed in this process
+    resolves (construction registers it)."""
+    config = _REGISTRY.get(key)
+    if config is None:
+        raise KernelConfigError(
+            f"kernel config {key!r} is unknown in this process: kernel ops are called with the "
+            "key of a KernelConfig built here (the engine's, or one a test constructs)"
+        )
+    return config
+
+
+@functools.cache
+def default() -> KernelConfig:
+    """The defaults, for callers outside an engine (tests, benchmarks of one kernel)."""
+    return KernelConfig()
