@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,18 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]  # for those that asked
 
 
+def allocate_kv_caches(
+    loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device
+) -> list[torch.Tensor]:
+    """The paged KV cache: one zeroed tensor a layer, `kv_cache_shape(num_blocks, block_size)`
+    (block 0 is the scratch block padding writes into)."""
+    shape = loaded.model.kv_cache_shape(num_blocks, block_size)
+    return [
+        torch.zeros(shape, dtype=loaded.dtype, device=device)
+        for _ in range(loaded.config.num_layers)
+    ]
+
+
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     element = torch.empty((), dtype=loaded.dtype).element_size()
     per_layer = math.prod(loaded.model.kv_cache_shape(1, block_size))
@@ -153,27 +166,29 @@ class ModelRunner:
     def __init__(
         self,
         loaded: LoadedModel,
+        kv_caches: list[torch.Tensor],
         *,
         block_size: int,
         num_blocks: int,
         device: torch.device,
         seed: int = 0,
+        forward: Callable | None = None,
+        graphs: CUDAGraphRunner | None = None,
     ) -> None:
+        """kv_caches: `allocate_kv_caches`'s, of num_blocks blocks. forward: what runs a step,
+        with the model's signature (the compiled forward; None: the eager model). graphs: the
+        CUDA graphs of that forward, replayed for the steps they fit (None: none)."""
         self.model = loaded.model
         self.config = loaded.config
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
-        cfg = loaded.config
-        shape = loaded.model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
-        ]
-        self.forward = self.model.forward  # the compiler swaps in the compiled forward
-        self.graphs: CUDAGraphRunner | None = None
+        self.kv_caches = kv_caches
+        self.forward = forward or self.model.forward
+        self.graphs = graphs
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # Unseeded rows draw from one engine-wide generator, seeded once for reproducible runs.
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
-        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.eos_token_ids = list(loaded.config.eos_token_ids)
         self.counters = StepCounters()
 
     def release(self, request_id: str) -> None:

@@ -1,0 +1,87 @@
+"""The engine's settings, one validated dataclass (vLLM's names), set from `LLM(...)` or the
+command line (runtime/engine_args.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compile_engine.compiler.artifact import Manifest, is_artifact
+from compile_engine.kernels_generated.tuning import KernelConfig, KernelConfigError
+
+TARGETS = {"cpu": "cpu", "h100": "cuda"}
+
+
+class EngineConfigError(ValueError):
+    """An engine setting is invalid; the message names it and what is allowed."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    target: str | None = None  # cpu | h100; None picks h100 when CUDA is present
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    # How many max_model_len sequences the default KV pool is sized for (num_kv_blocks unset);
+    # None: max_num_seqs. One-shot uses that know their requests (`compile-engine generate`)
+    # pass fewer: on CPU the default pool is 4 GiB, zero-filled at start.
+    kv_pool_sequences: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # The largest step (in tokens) that replays a CUDA graph; None: the artifact's build
+    # setting, else MAX_GRAPH_TOKENS (2,048). Larger steps run the compiled pieces one by one
+    # (compiler/cuda_graphs.py).
+    max_cuda_graph_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    max_waiting: int | None = None
+    passes: str | None = None  # see passes/registry.py: "+name,-name" or "a,b"
+    # Our kernels' launch choices (kernels_generated/tuning.py): a KernelConfig, its dict or
+    # JSON form (`--kernel-config`), None for the defaults; an artifact's own when loading one.
+    kernel_config: KernelConfig | dict | str | None = None
+    cuda_graphs: bool = True  # off: compiled pieces run without graphs (for measurements)
+    # Schedule and prepare step N+1 while step N runs on the device. Off, or while any live
+    # request uses a penalty (which needs every previous token on the host), steps run one at
+    # a time.
+    async_scheduling: bool = True
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            if is_artifact(self.model):
+                self.target = Manifest.read(Path(self.model)).target
+            else:
+                self.target = "h100" if torch.cuda.is_available() else "cpu"
+        if self.target not in TARGETS:
+            raise EngineConfigError(
+                f"target {self.target!r} is not supported; use one of {', '.join(TARGETS)}"
+            )
+        if TARGETS[self.target] == "cuda" and not torch.cuda.is_available():
+            raise EngineConfigError(f"target {self.target} needs a CUDA device; use --target cpu")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        graph_tokens = self.max_cuda_graph_tokens
+        if graph_tokens is not None and (not isinstance(graph_tokens, int) or graph_tokens < 1):
+            raise EngineConfigError(
+                f"max_cuda_graph_tokens={graph_tokens!r} is invalid: must be an integer >= 1"
+            )
+        pool = self.kv_pool_sequences
+        if pool is not None and (not isinstance(pool, int) or pool < 1):
+            raise EngineConfigError(
+                f"kv_pool_sequences={pool!r} is invalid: must be an integer >= 1"
+            )
+        if self.kernel_config is not None:
+            try:
+                self.kernel_config = KernelConfig.coerce(self.kernel_config)
+            except KernelConfigError as exc:
+                raise EngineConfigError(f"kernel_config: {exc}") from None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(TARGETS[self.target])
