@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated import add_rms_norm as k
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import add_rms_norm_ref, rms_norm_ref
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
@@ -25,6 +27,7 @@ requires_cuda = pytest.mark.skipif(
 
 # (rows, hidden): one row, a hidden size that is not a power of two, a wider one.
 SHAPES = [(1, 64), (7, 48), (4, 200)]
+KEY = tuning.default().key  # the ops' last argument: the kernel config the pass gives them
 
 
 def _inputs(num_rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu"):
@@ -44,8 +47,8 @@ def _inputs(num_rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu")
 def test_interpreted_matches_reference(shape, dtype):
     x, r, w = _inputs(*shape, dtype)
     tol = k.tolerance(dtype)
-    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **tol)
-    got_norm, got_sum = k.add_rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5, KEY), rms_norm_ref(x, w, 1e-5), **tol)
+    got_norm, got_sum = k.add_rms_norm(x, r, w, 1e-6, KEY)
     want_norm, want_sum = add_rms_norm_ref(x, r, w, 1e-6)
     torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)  # one rounding, same as ATen
     torch.testing.assert_close(got_norm, want_norm, **tol)
@@ -57,7 +60,7 @@ def test_interpreted_strided_3d_rows():
     qkv = torch.randn(5, 8 * 24, generator=torch.Generator().manual_seed(3))
     q = qkv[:, : 4 * 24].view(5, 4, 24)  # [T, Hq, D], not contiguous
     w = torch.randn(24, generator=torch.Generator().manual_seed(4))
-    out = k.rms_norm(q, w, 1e-6)
+    out = k.rms_norm(q, w, 1e-6, KEY)
     assert out.shape == q.shape and out.stride() == torch.empty_like(q).stride()
     torch.testing.assert_close(out, rms_norm_ref(q, w, 1e-6), **k.tolerance(torch.float32))
 
@@ -65,7 +68,7 @@ def test_interpreted_strided_3d_rows():
 @interpreted
 def test_interpreted_empty_and_check():
     x, r, w = _inputs(0, 64, torch.float32)
-    assert k.add_rms_norm(x, r, w, 1e-5)[0].shape == (0, 64)
+    assert k.add_rms_norm(x, r, w, 1e-5, KEY)[0].shape == (0, 64)
     assert k.check() < 1e-5
 
 
@@ -73,7 +76,7 @@ def test_interpreted_empty_and_check():
 def test_interpreted_opaque_under_torch_compile():
     # One opaque node with a dynamic token count: what Inductor receives after the pass.
     def block(x, r, w):
-        normed, summed = torch.ops.ce_kernels.add_rms_norm(x, r, w, 1e-5)
+        normed, summed = torch.ops.ce_kernels.add_rms_norm(x, r, w, 1e-5, KEY)
         return normed * 2, summed
 
     fn = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=True)
@@ -92,8 +95,8 @@ def test_fake_gives_output_shapes():
 
     with FakeTensorMode():
         x = torch.empty(5, 96)
-        normed, summed = torch.ops.ce_kernels.add_rms_norm(x, x, torch.empty(96), 1e-5)
-        out = torch.ops.ce_kernels.rms_norm(x, torch.empty(96), 1e-5)
+        normed, summed = torch.ops.ce_kernels.add_rms_norm(x, x, torch.empty(96), 1e-5, KEY)
+        out = torch.ops.ce_kernels.rms_norm(x, torch.empty(96), 1e-5, KEY)
     assert normed.shape == summed.shape == out.shape == (5, 96)
 
 
@@ -118,6 +121,17 @@ def test_shipped_configs_file():
             assert entry.config["num_warps"] in k.TUNE_WARPS
 
 
+def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
+    # A table named in KernelConfig.tables is the one the launcher looks its config up in.
+    table = ConfigTable.load(k.CONFIG_FILE)
+    table.targets["cpu"].entries.clear()
+    table.default = {"num_warps": 2}
+    config = KernelConfig(tables={"add_rms_norm": str(table.save(tmp_path / "t.json"))})
+    assert k.config_for(config.key, "cpu", 1, 64) == {"num_warps": 2}
+    shipped = tuning.default().table("add_rms_norm").lookup("cpu", k.shape_key(1, 64))
+    assert k.config_for(KEY, "cpu", 1, 64) == shipped
+
+
 # ------------------------------------------------------------------------ GPU (bf16, real shapes)
 
 
@@ -134,5 +148,5 @@ def test_gpu_qk_norm_rows_bf16():
     q = qkv[:, : 32 * 128].view(300, 32, 128)  # [T, Hq, D] strided, as Qwen3 normalises it
     w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(
-        k.rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), **k.tolerance(torch.bfloat16)
+        k.rms_norm(q, w, 1e-6, KEY), rms_norm_ref(q, w, 1e-6), **k.tolerance(torch.bfloat16)
     )

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated import moe_grouped_gemm as mk
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.moe import align_capacity, moe_align_ref
 
 from pass_kit import run_interpreted
@@ -24,6 +27,7 @@ requires_cuda = pytest.mark.skipif(
 # (T, E, H, I, K): widths that are not multiples of the tiles, one token, an expert count
 # that is not a power of two, every expert busy.
 SHAPES = [(1, 8, 64, 32, 2), (5, 6, 48, 40, 3), (13, 8, 64, 32, 2), (6, 4, 32, 16, 4)]
+KEY = tuning.default().key  # the op's last argument: the kernel config the pass gives it
 
 
 # --------------------------------------------------------------------------- CPU (interpreter)
@@ -59,7 +63,7 @@ def test_explicit_tiles_and_custom_op_under_compile():
     mk.check(inputs, config={"BLOCK_M": 16, "gemm1": tiles, "gemm2": tiles})
 
     def layer(x, w13, w2, weights, ids):
-        return torch.ops.ce_kernels.moe_fused_experts(x, w13, w2, weights, ids) * 2
+        return torch.ops.ce_kernels.moe_fused_experts(x, w13, w2, weights, ids, KEY) * 2
 
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*inputs), mk.fused_experts_ref(*inputs) * 2,
@@ -87,14 +91,24 @@ def test_large_slot_counts_align_with_the_sync_free_reference():
 
 
 def test_config_table_picks_nearest_entry():
-    table = mk.config_table()
+    table = tuning.default().table("moe_grouped_gemm")
     assert {"BLOCK_M", "gemm1", "gemm2"} <= set(table.default)
     for section in table.targets.values():
         assert all(e.config["BLOCK_M"] >= 16 for e in section.entries)  # tl.dot's minimum
     # A CPU shape gets the interpreter's small tiles, not the GPU default.
-    assert mk.pick_config(8, 64, 32, 10, torch.device("cpu")) == (
+    assert mk.pick_config(tuning.default(), 8, 64, 32, 10, torch.device("cpu")) == (
         table.targets["cpu"].entries[0].config
     )
+
+
+def test_tiles_come_from_the_kernel_configs_table(tmp_path):
+    # A table named in KernelConfig.tables is the one fused_experts picks its tiles from.
+    table = ConfigTable.load(mk.CONFIG_FILE)
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
+    table.targets["cpu"].entries[0].config = {"BLOCK_M": 32, "gemm1": tiles, "gemm2": tiles}
+    config = KernelConfig(tables={"moe_grouped_gemm": str(table.save(tmp_path / "t.json"))})
+    picked = mk.pick_config(config, 8, 64, 32, 10, torch.device("cpu"))
+    assert picked == {"BLOCK_M": 32, "gemm1": tiles, "gemm2": tiles}
 
 
 def test_benchmark_report_and_active_expert_count():
@@ -120,7 +134,7 @@ def test_fake_gives_output_shape():
         x = torch.empty(5, 64)
         out = torch.ops.ce_kernels.moe_fused_experts(
             x, torch.empty(8, 64, 64), torch.empty(8, 64, 32), torch.empty(5, 2),
-            torch.empty(5, 2, dtype=torch.int32),
+            torch.empty(5, 2, dtype=torch.int32), KEY,
         )  # fmt: skip
     assert out.shape == (5, 64)
 

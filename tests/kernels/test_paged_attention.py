@@ -12,6 +12,7 @@ started with TRITON_INTERPRET=1, the CPU cases run in-process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,8 +22,10 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated import paged_attention as pa
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.counters import ALLOCATED
 from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.kernels_generated.tuning import AttentionTuning, KernelConfig
 from compile_engine.models.ops import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +49,29 @@ CASES = {
     "padded": ([1, 3, 1], [25, 3, 41], {"pad_tokens": 3, "pad_seqs": 2, "spare_blocks": 3}),
     "empty_seq_between": ([2, 0, 1], [2, 5, 38], {}),
 }
+
+
+KEY = tuning.default().key  # the ops' last argument: the kernel config the pass gives them
+
+
+def _attention(tier: dict | None = None, **fields) -> KernelConfig:
+    """A kernel config whose attention tuning differs from the default by `fields`, and its
+    CPU decode config by `tier`."""
+    default = AttentionTuning()
+    [cpu] = default.decode_cpu
+    decode_cpu = (dataclasses.replace(cpu, **(tier or {})),)
+    return KernelConfig(attention=dataclasses.replace(default, decode_cpu=decode_cpu, **fields))
+
+
+def _check(batch: pa.PagedBatch, config: KernelConfig, num_splits: int | None) -> None:
+    """pa.check with `config`'s launch configs: the output and the written cache against the
+    reference's."""
+    cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = paged_attention_ref(*batch.args(cache_ref))
+    got = pa.paged_attention_triton(
+        *batch.args(cache_out), num_splits=num_splits, kernel_config=config
+    )
+    pa.compare_outputs(got, expected, (cache_out, cache_ref), "kv_cache")
 
 
 def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> pa.PagedBatch:
@@ -102,32 +128,26 @@ def test_split_partials_cover_many_splits():
 
 @interpreted
 @pytest.mark.parametrize(
-    "setting, value",
+    "fields, tier",
     [
-        ("_FUSED_REDUCE", False),
-        ("_COMBINE_S", 2),
-        ("MIN_SPLIT_KEYS", 32),
-        ("BLOCK_N", 32),
-        ("maxnreg", 128),  # a config with a register cap launches (the interpreter ignores it)
+        ({"combine_splits": 2}, {}),
+        ({}, {"min_split_keys": 32}),
+        ({}, {"block_n": 32}),
+        ({}, {"maxnreg": 128}),  # a register cap launches (the interpreter ignores it)
     ],
-    ids=["unfused-reduce", "combine-2", "min-split-32", "block-32", "maxnreg"],
+    ids=["combine-2", "min-split-32", "block-32", "maxnreg"],
 )
-def test_decode_variants(monkeypatch: pytest.MonkeyPatch, setting: str, value):
-    # The split reduction fused (the last split combines, COMBINE_S splits a load) or a second
-    # kernel, the keys a split takes at least, the key tile: every variant matches the
-    # reference, with padding, an empty sequence between, and sequences shorter and longer
-    # than a split.
-    if setting.startswith("_"):
-        monkeypatch.setattr(pa, setting, value)
-    else:
-        [(least, config)] = pa._CONFIGS["cpu"]
-        monkeypatch.setitem(pa._CONFIGS, "cpu", [(least, {**config, setting: value})])
+def test_decode_variants(fields: dict, tier: dict):
+    # The splits the combining program loads a step, the keys a split takes at least, the key
+    # tile, a register cap, from the kernel config: every variant matches the reference, with
+    # padding, an empty sequence between, and sequences shorter and longer than a split.
+    config = _attention(tier, **fields)
     batch = pa.make_batch(
         [1, 6, 0, 1, 1], [21, 6, 4, 44, 70], num_q_heads=8, num_kv_heads=2, block_size=3,
         pad_tokens=2, pad_seqs=1,
     )  # fmt: skip
-    for num_splits in (1, 5):
-        pa.check(batch, num_splits=num_splits)
+    for num_splits in (1, 5, None):
+        _check(batch, config, num_splits)
 
 
 @interpreted
@@ -147,7 +167,7 @@ def test_custom_op_matches_reference_and_mutates_cache():
     batch = _batch("mixed", 4, torch.float32)
     cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = paged_attention_ref(*batch.args(cache_ref))
-    got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op))
+    got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op), KEY)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(cache_op, cache_ref)
 
@@ -158,7 +178,7 @@ def test_custom_op_traces_as_one_node():
     batch = _batch("decode", 4, torch.float32)
 
     def step(*args):
-        return torch.ops.ce_kernels.paged_attention(*args) * 2
+        return torch.ops.ce_kernels.paged_attention(*args, KEY) * 2
 
     cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = paged_attention_ref(*batch.args(cache_ref)) * 2
@@ -199,7 +219,9 @@ def test_rotary_custom_op_matches_reference_and_mutates_cache():
     rest = batch.args()[4:]
     cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = pa.paged_attention_rotary_ref(q, k, v, cache_ref, *rest, positions, table)
-    got = torch.ops.ce_kernels.paged_attention_rotary(q, k, v, cache_op, *rest, positions, table)
+    got = torch.ops.ce_kernels.paged_attention_rotary(
+        q, k, v, cache_op, *rest, positions, table, KEY
+    )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(cache_op, cache_ref)
 
@@ -253,28 +275,27 @@ def test_tiled_matches_reference(block_size: int, dtype: torch.dtype, group: int
 
 
 @interpreted
-def test_tiled_chosen_by_environment(monkeypatch: pytest.MonkeyPatch):
-    # COMPILE_ENGINE_TILED_PREFILL=1 reaches the custom op the engine calls; the choice is
-    # read once, so the cache is cleared around the change.
+def test_tiled_chosen_by_shapes_in_the_op(monkeypatch: pytest.MonkeyPatch):
+    # The custom op the engine calls takes the tiled variant for a prefill-heavy batch (15
+    # tokens for 2 sequences), unless its kernel config asks for more tokens a sequence; an
+    # explicit num_splits runs the single-token kernel.
     batch = pa.make_batch([6, 9], [6, 20], block_size=4)
     launched = []
     launch = pa._launch_tiled
     monkeypatch.setattr(
-        pa, "_launch_tiled", lambda *a, **kw: launched.append(1) or launch(*a, **kw)
+        pa, "_launch_tiled", lambda *a, **kw: launched.append(a[-1]) or launch(*a, **kw)
     )
-    monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", "1")
-    pa.tiled_prefill_enabled.cache_clear()
-    try:
-        cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
-        expected = paged_attention_ref(*batch.args(cache_ref))
-        got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op))
-        assert launched == [1]
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        assert torch.equal(cache_op, cache_ref)
-        pa.paged_attention_triton(*batch.args(cache_op), num_splits=1)  # explicit: untiled
-        assert launched == [1]
-    finally:
-        pa.tiled_prefill_enabled.cache_clear()
+    cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = paged_attention_ref(*batch.args(cache_ref))
+    got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op), KEY)
+    assert launched == [tuning.default()]  # with the config the key names
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache_op, cache_ref)
+    pa.paged_attention_triton(*batch.args(cache_op), num_splits=1)  # explicit: untiled
+    untiled = _attention(tiled_min_tokens_per_seq=8)  # 7.5 tokens a sequence: too few
+    got = torch.ops.ce_kernels.paged_attention(*batch.args(batch.kv_cache.clone()), untiled.key)
+    assert len(launched) == 1
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @interpreted
@@ -287,43 +308,63 @@ def test_tiled_refuses_splits():
 # --------------------------------------------------------------------------- anywhere
 
 
-def test_choose_tiled_is_on_unless_the_environment_says_off(monkeypatch: pytest.MonkeyPatch):
-    try:
-        for value, expected in (("", True), ("1", True), ("0", False)):
-            monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", value)
-            pa.tiled_prefill_enabled.cache_clear()
-            assert pa.choose_tiled(2048, 4) is expected  # prefill-heavy shapes
-            assert pa.choose_tiled(256, 256) is False  # decode shapes: never tiled
-        monkeypatch.setenv("COMPILE_ENGINE_TILED_PREFILL", "yes")
-        pa.tiled_prefill_enabled.cache_clear()
-        with pytest.raises(pa.PagedAttentionKernelError, match="set it to 1"):
-            pa.choose_tiled(2048, 4)
-    finally:
-        monkeypatch.delenv("COMPILE_ENGINE_TILED_PREFILL")
-        pa.tiled_prefill_enabled.cache_clear()
+def test_choose_tiled_by_shapes_and_the_configs_threshold():
+    default = tuning.default()
+    assert default.attention.tiled_min_tokens_per_seq == 2
+    assert pa.choose_tiled(default, 2048, 4) is True  # prefill-heavy shapes
+    assert pa.choose_tiled(default, 8, 4) is True  # two tokens a sequence slot
+    assert pa.choose_tiled(default, 7, 4) is False
+    assert pa.choose_tiled(default, 256, 256) is False  # decode shapes: never tiled
+    strict = _attention(tiled_min_tokens_per_seq=1024)
+    assert pa.choose_tiled(strict, 2048, 4) is False
+    assert pa.choose_tiled(strict, 4096, 4) is True
 
 
 def test_choose_num_splits_reads_shapes_only():
     cpu = torch.device("cpu")
     sms = CPU_SM_COUNT
-    assert pa.choose_num_splits(sms, 1, 32768, cpu) == 1  # enough programs already
-    assert pa.choose_num_splits(1, 2, 32768, cpu) > 1  # one long decode: split
-    assert pa.choose_num_splits(1, 2, 16, cpu) == 1  # short context: nothing to split
-    assert pa.choose_num_splits(1, 1, 10**7, cpu) <= pa._MAX_SPLITS
+    default = tuning.default()
+    assert pa.choose_num_splits(default, sms, 1, 32768, cpu) == 1  # enough programs already
+    assert pa.choose_num_splits(default, 1, 2, 32768, cpu) > 1  # one long decode: split
+    assert pa.choose_num_splits(default, 1, 2, 16, cpu) == 1  # short context: nothing to split
+    assert pa.choose_num_splits(default, 1, 1, 10**7, cpu) <= default.attention.max_splits
+    assert pa.choose_num_splits(default, 1, 1, 10**7, cpu) == 2 * sms  # two programs an SM
+    assert pa.choose_num_splits(_attention(max_splits=4), 1, 1, 10**7, cpu) == 4  # the cap
 
 
-def test_unsplit_context(monkeypatch: pytest.MonkeyPatch):
-    # A table at most UNSPLIT_KEYS keys wide takes one split, a wider one splits as before;
+def test_decode_configs_by_launch_size():
+    # The last tier whose `least` the launch reaches: on CUDA the small-batch config with
+    # the one-token unsplit table, 2-16 tokens without it, BLOCK_N 32 from 17, the register
+    # cap from 100; one config on CPU (the interpreter).
+    attention = tuning.default().attention
+    assert [attention.decode(n, "cuda").least for n in (0, 1, 2, 16, 17, 99, 100, 4096)] == [
+        1, 1, 2, 2, 17, 17, 100, 100
+    ]  # fmt: skip
+    assert attention.decode(1, "cuda").unsplit_keys == 160
+    assert attention.decode(2, "cuda").unsplit_keys == 0
+    assert attention.decode(256, "cuda").maxnreg == 128
+    assert attention.decode(64, "cuda").maxnreg is None
+    assert attention.decode(256, "cpu") == attention.decode_cpu[0]
+
+
+def test_unsplit_context():
+    # A table at most unsplit_keys keys wide takes one split, a wider one splits as before;
     # `unsplit_context` names that width only for launches that would split a wide table.
     cpu = torch.device("cpu")
-    [(least, config)] = pa._CONFIGS["cpu"]
-    assert pa.unsplit_context(1, 2, cpu) == 0  # the CPU config sets none
-    monkeypatch.setitem(pa._CONFIGS, "cpu", [(least, {**config, "UNSPLIT_KEYS": 48})])
-    assert pa.choose_num_splits(1, 2, 48, cpu) == 1
-    assert pa.choose_num_splits(1, 2, 64, cpu) == 4  # 64 keys, 16 a split
-    assert pa.choose_num_splits(1, 2, 32768, cpu) > 1
-    assert pa.unsplit_context(1, 2, cpu) == 48
-    assert pa.unsplit_context(CPU_SM_COUNT, 1, cpu) == 0  # enough programs: never splits
+    default = tuning.default()
+    assert pa.unsplit_context(default, 1, 2, cpu) == 0  # the CPU config sets none
+    config = _attention({"unsplit_keys": 48})
+    assert pa.choose_num_splits(config, 1, 2, 48, cpu) == 1
+    assert pa.choose_num_splits(config, 1, 2, 64, cpu) == 4  # 64 keys, 16 a split
+    assert pa.choose_num_splits(config, 1, 2, 32768, cpu) > 1
+    assert pa.unsplit_context(config, 1, 2, cpu) == 48
+    assert pa.unsplit_context(config, CPU_SM_COUNT, 1, cpu) == 0  # enough programs: never splits
+    # The CUDA tiers: one token unsplit on a table of <= 160 keys (the H200's 132 SMs).
+    cuda = torch.device("cuda")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pa, "sm_count", lambda device: 132)
+        assert pa.unsplit_context(default, 1, 8, cuda) == 160
+        assert pa.unsplit_context(default, 4, 8, cuda) == 0
 
 
 def test_rejects_unsupported_head_dim():

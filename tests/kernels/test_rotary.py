@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated import rotary as k
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import rotary_ref
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
@@ -29,6 +31,7 @@ CASES = {
     "head_dim_24": (4, 4, 2, 24, 24),
     "partial_rotary": (3, 4, 2, 32, 16),
 }
+KEY = tuning.default().key  # the op's last argument: the kernel config the pass gives it
 
 
 def _inputs(case: str, dtype: torch.dtype, seed: int = 0):
@@ -62,7 +65,7 @@ def test_interpreted_contiguous_inputs_and_op():
     # q and k as standalone tensors (not QKV views), through the custom op and its config.
     positions, q, k_, cache = _inputs("gqa", torch.float32, seed=1)
     args = (positions, q.contiguous(), k_.contiguous(), cache)
-    _assert_exact(torch.ops.ce_kernels.rotary(*args), rotary_ref(*args))
+    _assert_exact(torch.ops.ce_kernels.rotary(*args, KEY), rotary_ref(*args))
     assert k.check() == 0.0
 
 
@@ -82,7 +85,7 @@ def test_fake_gives_output_shapes():
     with FakeTensorMode():
         q, k_ = torch.empty(3, 8, 64), torch.empty(3, 2, 64)
         q_out, k_out = torch.ops.ce_kernels.rotary(
-            torch.zeros(3, dtype=torch.long), q, k_, torch.empty(10, 64)
+            torch.zeros(3, dtype=torch.long), q, k_, torch.empty(10, 64), KEY
         )
     assert q_out.shape == (3, 8, 64) and k_out.shape == (3, 2, 64)
 
@@ -103,6 +106,17 @@ def test_shipped_configs_file():
             assert entry.config in k.TUNE_CONFIGS
 
 
+def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
+    # A table named in KernelConfig.tables is the one the launcher looks its config up in.
+    table = ConfigTable.load(k.CONFIG_FILE)
+    table.targets["cpu"].entries.clear()
+    table.default = {"BLOCK_H": 1, "num_warps": 1}
+    config = KernelConfig(tables={"rotary": str(table.save(tmp_path / "t.json"))})
+    assert k.config_for(config.key, "cpu", 4, 6, 16) == {"BLOCK_H": 1, "num_warps": 1}
+    shipped = tuning.default().table("rotary").lookup("cpu", k.shape_key(4, 6, 16))
+    assert k.config_for(KEY, "cpu", 4, 6, 16) == shipped
+
+
 # ------------------------------------------------------------------------ GPU (bf16, real shapes)
 
 
@@ -118,10 +132,10 @@ def test_gpu_cuda_graph_replay():
     # Captured once, replayed on new positions and activations: nothing value-dependent baked in.
     static = k.make_inputs(64, seed=1)
     fresh = k.make_inputs(64, seed=2)
-    k.rotary(*static)  # compile outside the capture
+    k.rotary(*static, KEY)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = k.rotary(*static)
+        outs = k.rotary(*static, KEY)
     for dst, src in zip(static[:3], fresh[:3], strict=True):
         dst.copy_(src)
     graph.replay()

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import (
     ConfigEntry,
     ConfigTable,
@@ -38,6 +39,7 @@ requires_cuda = pytest.mark.skipif(
 
 # (T, I): decode, odd sizes that leave partial tiles, a chunk wider than one default tile.
 SHAPES = [(1, 8), (2, 5), (7, 40), (33, 24), (3, 600)]
+KEY = tuning.default().key  # the op's last argument: the kernel config the pass gives it
 
 
 # --------------------------------------------------------------------------- interpreted (CPU)
@@ -56,7 +58,7 @@ def test_interpreted_kernel_equals_reference(shape, dtype):
 @interpreted
 def test_interpreted_custom_op_any_leading_dims():
     x = torch.randn(2, 3, 2 * 16)  # [B, T, 2I]: flattened to [B*T, 2I] and back
-    out = torch.ops.ce_kernels.silu_and_mul_helion(x)
+    out = torch.ops.ce_kernels.silu_and_mul_helion(x, KEY)
     assert out.shape == (2, 3, 16)
     torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=0, atol=0)
 
@@ -70,7 +72,7 @@ def test_interpreted_check():
 def test_interpreted_opaque_under_torch_compile():
     # The op stays one node (its fake gives the shape) with a dynamic token dimension.
     def mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ce_kernels.silu_and_mul_helion(x) @ w
+        return torch.ops.ce_kernels.silu_and_mul_helion(x, KEY) @ w
 
     fn = torch.compile(mlp, backend="aot_eager", fullgraph=True, dynamic=True)
     w = torch.randn(12, 4)
@@ -110,14 +112,14 @@ def test_compiled_kernel_needs_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA is present: the kernel runs")
     with pytest.raises(k.KernelUnavailableError, match="HELION_INTERPRET=1"):
-        torch.ops.ce_kernels.silu_and_mul_helion(torch.randn(3, 8))
+        torch.ops.ce_kernels.silu_and_mul_helion(torch.randn(3, 8), KEY)
 
 
 def test_fake_gives_output_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        out = torch.ops.ce_kernels.silu_and_mul_helion(torch.empty(5, 2 * 96))
+        out = torch.ops.ce_kernels.silu_and_mul_helion(torch.empty(5, 2 * 96), KEY)
     assert out.shape == (5, 96)
 
 
@@ -138,6 +140,19 @@ def test_shipped_configs_file():
         section = table.targets[target]
         # Entries are written only by tune_silu_and_mul_helion, which marks the target tuned.
         assert section.tuned == bool(section.entries)
+
+
+def test_config_comes_from_the_kernel_configs_table(tmp_path):
+    # A table named in KernelConfig.tables is the one the launcher looks its tiles up in.
+    from compile_engine.kernels_generated.tuning import KernelConfig
+
+    table = ConfigTable.load(k.CONFIG_FILE)
+    table.targets["h100"].entries.clear()
+    table.default = {"block_sizes": [2, 64], "num_warps": 2}
+    config = KernelConfig(tables={"silu_and_mul_helion": str(table.save(tmp_path / "t.json"))})
+    assert k.config_for(config.key, "h100", 1, 1536) == helion.Config(**table.default)
+    shipped = tuning.default().table("silu_and_mul_helion").lookup("h100", k.shape_key(1, 1536))
+    assert k.config_for(KEY, "h100", 1, 1536) == helion.Config(**shipped)
 
 
 def test_missing_target_config_falls_back_and_logs_once(caplog):

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated import silu_and_mul as k
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import silu_and_mul_ref
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
@@ -33,7 +35,7 @@ def test_interpreted_matches_reference(shape, block, dtype):
 @interpreted
 def test_interpreted_op_any_leading_dims_and_check():
     x = torch.randn(2, 3, 2 * 16)  # [B, T, 2I]: flattened to [B*T, 2I] and back
-    out = torch.ops.ce_kernels.silu_and_mul(x)
+    out = torch.ops.ce_kernels.silu_and_mul(x, tuning.default().key)
     assert out.shape == (2, 3, 16)
     torch.testing.assert_close(out, silu_and_mul_ref(x))
     assert k.check() < 1e-5
@@ -47,6 +49,17 @@ def test_shipped_configs_file():
         assert section.tuned == bool(section.entries)  # entries come only from tune()
         for entry in section.entries:
             assert entry.config in k.TUNE_CONFIGS
+
+
+def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
+    # A table named in KernelConfig.tables is the one the launcher looks its config up in.
+    table = ConfigTable.load(k.CONFIG_FILE)
+    table.targets["cpu"].entries.clear()
+    table.default = {"BLOCK": 16, "num_warps": 1}
+    config = KernelConfig(tables={"silu_and_mul": str(table.save(tmp_path / "t.json"))})
+    assert k.config_for(config.key, "cpu", 4, 40) == {"BLOCK": 16, "num_warps": 1}
+    shipped = tuning.default().table("silu_and_mul").lookup("cpu", k.shape_key(4, 40))
+    assert k.config_for(tuning.default().key, "cpu", 4, 40) == shipped
 
 
 @pytest.mark.gpu

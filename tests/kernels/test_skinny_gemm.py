@@ -1,5 +1,6 @@
 """The Triton skinny GEMM against F.linear (`linear_ref`), its per-call choice from the tuned
-table, and the op's fake.
+table (the kernel config's: a test's table is a file named in `KernelConfig.tables`), its PDL
+settings, and the op's fake.
 
 The CPU kernel cases (marked interpreted_child) run in one TRITON_INTERPRET=1 child that
 `test_interpreted_cases_in_one_child` starts, together with the skinny_gemm pass's numerics
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated import skinny_gemm as k
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+from compile_engine.kernels_generated.tuning import KernelConfig
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
 requires_cuda = pytest.mark.skipif(
@@ -56,17 +59,15 @@ def table_of(
 
 
 @pytest.fixture
-def use_table(monkeypatch):
-    """Swap the tuned table for one the test writes; the lookups' caches are cleared."""
+def use_table(tmp_path):
+    """A kernel config whose skinny_gemm table is one the test writes (a file of its own, so
+    its key and its lookups are its own)."""
 
-    def install(table: ConfigTable) -> None:
-        monkeypatch.setattr(k, "config_table", lambda: table)
-        k.config_for.cache_clear()
-        k._entry.cache_clear()
+    def install(table: ConfigTable) -> KernelConfig:
+        path = table.save(tmp_path / f"skinny_gemm_{len(list(tmp_path.iterdir()))}.json")
+        return KernelConfig(tables={"skinny_gemm": str(path)})
 
-    yield install
-    k.config_for.cache_clear()
-    k._entry.cache_clear()
+    return install
 
 
 # --------------------------------------------------------------------------- interpreted kernel
@@ -167,22 +168,26 @@ def test_interpreted_split_counters_reset_between_calls():
 def test_interpreted_op_dispatches_by_table(use_table, monkeypatch):
     swap = {"kernel": "triton", "mode": "swap", "block_m": 16, "block_n": 16, "block_k": 16,
             "split_k": 2, "num_warps": 4, "num_stages": 2}  # fmt: skip
-    use_table(table_of({(24, 32, 1): swap, (24, 32, 16): {"kernel": "cublas"},
-                        (24, 32, 64): {"kernel": "cublaslt"}}))  # fmt: skip
+    config = use_table(table_of({(24, 32, 1): swap, (24, 32, 16): {"kernel": "cublas"},
+                                 (24, 32, 64): {"kernel": "cublaslt"}}))  # fmt: skip
     launched = []
     real = k.skinny_gemm
     monkeypatch.setattr(k, "skinny_gemm", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
     for rows, runs_kernel in ((1, True), (2, True), (9, False), (40, False), (300, False)):
         x, w = _inputs(rows, 24, 32, torch.float16)
         launched.clear()
-        got = k.linear(x, w)
+        got = k.linear(x, w, config.key)  # the op, as the pass emits it
         torch.testing.assert_close(
             got.float(), k.linear_ref(x.float(), w.float()), rtol=0, atol=2e-3
         )
         assert bool(launched) == runs_kernel, rows
+        assert all(kw["kernel_config"].key == config.key for kw in launched)  # PDL settings too
     x, w = _inputs(1, 40, 32, torch.float16)  # a weight the table does not know: cuBLAS
     launched.clear()
-    k.linear(x, w)
+    k.linear(x, w, config.key)
+    assert not launched
+    x, w = _inputs(1, 24, 32, torch.float16)  # the shipped table does not know it either
+    k.linear(x, w, tuning.default().key)
     assert not launched
 
 
@@ -221,29 +226,6 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
 
 
 @interpreted
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("rows,k_size", [(1, 80), (3, 72), (16, 64)])
-def test_interpreted_fused_norm_squares_per_k_tile(request, monkeypatch, rows, k_size, gated):
-    # COMPILE_ENGINE_NORM_DEFER_SUM=0: the one-pass fused norm sums its squares per K-tile, as
-    # before the per-element sum became the default (which the test above covers), and gives
-    # the reference's output and residual sum, uneven K included.
-    from compile_engine.kernels_generated.device import ab_switch
-
-    monkeypatch.setenv(k.DEFER_SUM_ENV, "0")
-    ab_switch.cache_clear()
-    request.addfinalizer(ab_switch.cache_clear)  # after monkeypatch restores the variable
-    x, w = _inputs(rows, 80 if gated else 40, k_size, torch.float32)
-    residual, norm_weight = _norm_inputs(rows, k_size, torch.float32)
-    got, summed = k.add_rms_norm_gemm(
-        x, residual, norm_weight, 1e-5, w, gated=gated, mode="swap", block_m=16, block_n=16,
-        block_k=32,
-    )  # fmt: skip
-    want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-5, w, gated)
-    assert torch.equal(summed, want_summed)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-
-
-@interpreted
 @pytest.mark.parametrize("per_sm", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_interpreted_fused_norm_with_ragged_rows(rows, per_sm):
@@ -273,7 +255,7 @@ def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, ga
                 "split_k": split_k, "num_warps": 4, "num_stages": 2}  # fmt: skip
 
     both = {"plain": swap(2), "gated": swap(1, block_n=32)}
-    use_table(
+    config = use_table(
         table_of(
             {(24, 32, m): {"kernel": "triton", **swap(1)} for m in (1, 8, 16, 64)}
             | {(24, 32, 32): {"kernel": "cublas"}},
@@ -289,7 +271,7 @@ def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, ga
         x, w = _inputs(rows, 24, 32, torch.float16)
         residual, norm_weight = _norm_inputs(rows, 32, torch.float16)
         fused.clear()
-        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-6, w, gated)
+        got, summed = k.add_rms_norm_linear(x, residual, norm_weight, 1e-6, w, gated, config.key)
         want, want_summed = k.add_rms_norm_linear_ref(x, residual, norm_weight, 1e-6, w, gated)
         assert torch.equal(summed, want_summed)
         assert got.shape == (rows, 12 if gated else 24)
@@ -298,6 +280,7 @@ def test_interpreted_fused_norm_op_dispatches_by_rows(use_table, monkeypatch, ga
         if fused and rows == 1:
             assert fused[0]["block_n"] == (32 if gated else 16), fused
             assert fused[0]["split_k"] == (1 if gated else 2), fused
+            assert fused[0]["kernel_config"].key == config.key
 
 
 def test_fused_norm_refuses_what_it_cannot_fuse():
@@ -321,10 +304,11 @@ def test_fused_norm_refuses_what_it_cannot_fuse():
 def test_fused_norm_op_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    key = tuning.default().key
     with FakeTensorMode():
         x, r, g, w = torch.empty(7, 32), torch.empty(7, 32), torch.empty(32), torch.empty(48, 32)
-        out, summed = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w, False)
-        gated, _ = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w, True)
+        out, summed = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w, False, key)
+        gated, _ = torch.ops.ce_kernels.add_rms_norm_linear(x, r, g, 1e-5, w, True, key)
     assert out.shape == (7, 48) and summed.shape == (7, 32) and gated.shape == (7, 24)
 
 
@@ -336,7 +320,7 @@ def test_parent_process_refuses_cpu_tensors(mode):
     with pytest.raises(k.SkinnyGemmError, match="TRITON_INTERPRET"):
         k.skinny_gemm(x, w, mode=mode)
     # The op never launches it there: F.linear.
-    torch.testing.assert_close(k.linear(x, w), k.linear_ref(x, w))
+    torch.testing.assert_close(k.linear(x, w, tuning.default().key), k.linear_ref(x, w))
 
 
 # --------------------------------------------------------------------------- the tuned choice
@@ -344,20 +328,20 @@ def test_parent_process_refuses_cpu_tensors(mode):
 
 def test_config_for_needs_exact_weight_and_takes_nearest_bucket(use_table):
     tri = {"kernel": "triton", "mode": "swap", "block_n": 64}
-    use_table(table_of({(6144, 4096, 1): tri, (6144, 4096, 64): {"kernel": "cublaslt"},
-                        (4096, 4096, 1): {**tri, "block_n": 32}}))  # fmt: skip
-    assert k.config_for("h100", 6144, 4096, 1) == ("triton", {"mode": "swap", "block_n": 64})
-    assert k.config_for("h100", 6144, 4096, 4) == ("triton", {"mode": "swap", "block_n": 64})
-    assert k.config_for("h100", 6144, 4096, 32) == ("cublaslt", {})  # nearer 64
-    assert k.config_for("h100", 4096, 4096, 1) == ("triton", {"mode": "swap", "block_n": 32})
-    assert k.config_for("h100", 6144, 8192, 1) == ("cublas", {})  # unknown K
-    assert k.config_for("cpu", 6144, 4096, 1) == ("cublas", {})
+    key = use_table(table_of({(6144, 4096, 1): tri, (6144, 4096, 64): {"kernel": "cublaslt"},
+                              (4096, 4096, 1): {**tri, "block_n": 32}})).key  # fmt: skip
+    assert k.config_for(key, "h100", 6144, 4096, 1) == ("triton", {"mode": "swap", "block_n": 64})
+    assert k.config_for(key, "h100", 6144, 4096, 4) == ("triton", {"mode": "swap", "block_n": 64})
+    assert k.config_for(key, "h100", 6144, 4096, 32) == ("cublaslt", {})  # nearer 64
+    assert k.config_for(key, "h100", 4096, 4096, 1) == ("triton", {"mode": "swap", "block_n": 32})
+    assert k.config_for(key, "h100", 6144, 8192, 1) == ("cublas", {})  # unknown K
+    assert k.config_for(key, "cpu", 6144, 4096, 1) == ("cublas", {})
 
 
 def test_unknown_kernel_in_table_is_an_error(use_table):
-    use_table(table_of({(64, 64, 1): {"kernel": "cutlass"}}))
-    with pytest.raises(k.SkinnyGemmError, match="unknown kernel 'cutlass'"):
-        k.config_for("h100", 64, 64, 1)
+    config = use_table(table_of({(64, 64, 1): {"kernel": "cutlass"}}))
+    with pytest.raises(k.SkinnyGemmError, match="skinny_gemm_0.json: unknown kernel 'cutlass'"):
+        k.config_for(config.key, "h100", 64, 64, 1)
 
 
 def test_blas_library_is_restored(monkeypatch):
@@ -377,7 +361,7 @@ def test_blas_library_is_restored(monkeypatch):
 def test_shipped_table_loads_with_valid_configs():
     from dataclasses import fields
 
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = tuning.default().table("skinny_gemm")  # configs/skinny_gemm.json
     assert table.key_names == ("N", "K", "M") and table.default == {"kernel": "cublas"}
     params = {f.name for f in fields(k.LaunchConfig)}
     for entry in table.targets["h100"].entries:
@@ -391,7 +375,9 @@ def test_fake_gives_the_linear_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        out = torch.ops.ce_kernels.skinny_linear(torch.empty(7, 32), torch.empty(48, 32))
+        out = torch.ops.ce_kernels.skinny_linear(
+            torch.empty(7, 32), torch.empty(48, 32), tuning.default().key
+        )
     assert out.shape == (7, 48) and out.dtype == torch.float32
 
 
@@ -414,7 +400,7 @@ def test_cpu_kernel_cases_in_one_child():
 
 
 def _tuned_cells(kernel: str) -> list[tuple[dict, dict]]:
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = tuning.default().table("skinny_gemm")
     section = table.targets.get("h100")
     cells = []
     for entry in section.entries if section else []:
@@ -433,7 +419,7 @@ def test_gpu_tuned_configs_match_cublas():
     for key, config in cells:
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
         assert _rel(k.skinny_gemm(x, w, **config), k.linear_ref(x, w)) < 1e-2, key
-        assert _rel(k.linear(x, w), k.linear_ref(x, w)) < 1e-2, key
+        assert _rel(k.linear(x, w, tuning.default().key), k.linear_ref(x, w)) < 1e-2, key
 
 
 @pytest.mark.gpu
@@ -445,7 +431,7 @@ def test_gpu_cublaslt_cells_match_and_restore_the_library():
     before = torch.backends.cuda.preferred_blas_library()
     for key, _ in cells:
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
-        assert _rel(k.linear(x, w), k.linear_ref(x, w)) < 1e-2, key
+        assert _rel(k.linear(x, w, tuning.default().key), k.linear_ref(x, w)) < 1e-2, key
         assert torch.backends.cuda.preferred_blas_library() == before
 
 
@@ -457,7 +443,8 @@ def test_gpu_fused_norm_matches_reference_in_tuned_cells():
     # reference's; the output as close to the exact (float32) result as the bf16 reference
     # is, give or take one rounding: the fused launch rounds elsewhere (the normalised row
     # not before the weight scales it), and gated, silu(gate) * up compounds two roundings.
-    table = ConfigTable.load(k.CONFIG_FILE)
+    config = tuning.default()
+    table = config.table("skinny_gemm")
     cells = [
         (entry.key, kind)
         for entry in table.targets["h100"].entries
@@ -469,16 +456,16 @@ def test_gpu_fused_norm_matches_reference_in_tuned_cells():
         x, w = _inputs(key["M"], key["N"], key["K"], torch.bfloat16, "cuda")
         residual, norm_weight = _norm_inputs(key["M"], key["K"], torch.bfloat16, "cuda")
         args = (x, residual, norm_weight, 1e-5, w, kind == "gated")
-        assert k.fused_config(x, w, kind == "gated") is not None, (key, kind)
+        assert k.fused_config(config, x, w, kind == "gated") is not None, (key, kind)
         want, want_summed = k.add_rms_norm_linear_ref(*args)
-        got, summed = k.add_rms_norm_linear(*args)
+        got, summed = k.add_rms_norm_linear(*args, config.key)
         assert torch.equal(summed, want_summed), (key, kind)
         exact = k.add_rms_norm_linear_ref(*(a.float() if torch.is_tensor(a) else a for a in args))
         err, ref_err = _rel(got, exact[0]), _rel(want, exact[0])
         assert err < 2 * ref_err + 2**-8, (key, kind, err, ref_err)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed, replayed_summed = k.add_rms_norm_linear(*args)
+            replayed, replayed_summed = k.add_rms_norm_linear(*args, config.key)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, got), (key, kind)
@@ -545,192 +532,85 @@ def test_gpu_ragged_rows_match_cublas(n_size, k_size, per_sm):
     assert _rel(got, k.linear_ref(x, w)) < 1e-2
 
 
-@pytest.fixture
-def pdl_env(monkeypatch):
-    """Set a PDL environment setting; the settings are read once per process, so each change
-    re-reads them, and so does the first read after the test (monkeypatch restores the rest)."""
-    from compile_engine.kernels_generated.device import pdl_settings
-
-    def set_env(name: str, value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-        pdl_settings.cache_clear()
-
-    yield set_env
-    pdl_settings.cache_clear()
-
-
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize(
-    ("trigger", "mode"), [("0", 1), ("1", 2), ("late", 3)], ids=["exit", "at-once", "late"]
-)
-@pytest.mark.parametrize(
-    ("prefetch_mb", "tiles"), [("0", "0"), ("36", "0"), ("0", "1"), ("0", "2")]
-)
-@pytest.mark.parametrize("attention_trigger", [None, "1"])
+@pytest.mark.parametrize("tiles", [0, 1, 2])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_pdl_chain_gives_the_same_output(
-    rows, attention_trigger, prefetch_mb, tiles, trigger, mode, pdl_env
-):
+def test_gpu_pdl_chain_gives_the_same_output(rows, tiles):
     # PDL on (the default on sm_90): attention, the skinny GEMMs and silu_and_mul launch as
     # PDL dependents, each waiting for the kernel ahead before it touches memory and
-    # releasing the next after its main loop (late, the default), when it ends (0) or at once
-    # (1); the
-    # o_proj-sized GEMM may prefetch its weight first, or every GEMM its first two K-tiles;
-    # attention may release the next kernel at once whatever the others do.
-    # Eager and in a CUDA graph, the output must be the one without PDL, bit for bit.
+    # releasing the next after its main loop; each GEMM program first puts the config's
+    # leading K-tiles of its weight slice into L2 (none, one, two). Eager and in a CUDA graph,
+    # the output must be the one without PDL, bit for bit.
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     import compile_engine.kernels_generated.paged_attention as pa
-    from compile_engine.kernels_generated.device import (
-        PDL_ATTENTION_TRIGGER_ENV,
-        PDL_ENV,
-        PDL_PREFETCH_ENV,
-        PDL_PREFETCH_TILES_ENV,
-        PDL_TRIGGER_ENV,
-        pdl_mode,
-    )
+    from compile_engine.kernels_generated.device import pdl_on
     from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
 
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
     batch = pa.make_batch([1] * rows, [100] * rows, dtype=torch.bfloat16, device="cuda", **heads)
-    _, w_o = _inputs(1, 4096, 4096, torch.bfloat16, "cuda")
+    x, w_o = _inputs(1, 4096, 4096, torch.bfloat16, "cuda")
     _, w_up = _inputs(2, 4096, 4096, torch.bfloat16, "cuda")
     _, w_down = _inputs(1, 4096, 2048, torch.bfloat16, "cuda")
-    config = dict(mode="swap", block_m=16, block_n=64, block_k=256, num_stages=4)
+    launch = dict(mode="swap", block_m=16, block_n=64, block_k=256, num_stages=4)
 
-    def layer():
-        out = pa.paged_attention_triton(*batch.args())
-        hidden = k.skinny_gemm(out.reshape(out.shape[0], -1), w_o, **config)
-        up = k.skinny_gemm(hidden, w_up, **config)
-        return k.skinny_gemm(silu_and_mul_triton(up), w_down, split_k=2, **config)
+    def layer(config: KernelConfig) -> torch.Tensor:
+        out = pa.paged_attention_triton(*batch.args(), kernel_config=config)
+        hidden = k.skinny_gemm(out.reshape(out.shape[0], -1), w_o, kernel_config=config, **launch)
+        up = k.skinny_gemm(hidden, w_up, kernel_config=config, **launch)
+        act = silu_and_mul_triton(up, kernel_config=config)
+        return k.skinny_gemm(act, w_down, split_k=2, kernel_config=config, **launch)
 
-    pdl_env(PDL_ENV, "0")
-    assert pdl_mode(torch.device("cuda"), rows) == 0
-    want = layer()
-    pdl_env(PDL_ENV, "1")
-    pdl_env(PDL_PREFETCH_ENV, prefetch_mb)
-    pdl_env(PDL_PREFETCH_TILES_ENV, tiles)
-    pdl_env(PDL_TRIGGER_ENV, trigger)
-    pdl_env(PDL_ATTENTION_TRIGGER_ENV, attention_trigger)
-    assert pdl_mode(torch.device("cuda"), rows) == mode
-    attention_mode = mode if attention_trigger is None else 2
-    assert pdl_mode(torch.device("cuda"), rows, attention=True) == attention_mode
-    assert torch.equal(layer(), want)
+    off, on = KernelConfig(pdl=False), KernelConfig(pdl_prefetch_tiles=tiles)
+    cuda = torch.device("cuda")
+    assert not pdl_on(off, cuda, rows) and pdl_on(on, cuda, rows)
+    assert k.prefetch_tiles(on, x, 256, even_k=True) == tiles
+    want = layer(off)
+    assert torch.equal(layer(on), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = layer()
+        got = layer(on)
     for _ in range(3):  # the split-K counters must come back to zero every time
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
 
 
-def test_pdl_prefetches_only_weights_that_fit_l2(monkeypatch, pdl_env):
-    # With PDL on and a 36 MiB limit, o_proj's 34 MB weight is prefetched, QKV's 50 MB is not
-    # (it would be read from HBM twice), nor an uneven K split or a float32 one; the limit is
-    # an environment setting (MiB), 0, the default, prefetching nothing.
-    from compile_engine.kernels_generated.device import PDL_PREFETCH_ENV
-
-    monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
-    pdl_env(PDL_PREFETCH_ENV, None)
+def test_pdl_prefetch_tiles_by_config_and_launch():
+    # A PDL launch's PREFETCH: the config's pdl_prefetch_tiles leading K-tiles of the weight
+    # slice (one by default, 0 none), where the prefetch covers whole 128-byte lines of
+    # half-precision rows: never for an uneven K split, a BLOCK_K that is not a multiple of
+    # 64, or float32.
     x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
-    o_proj = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
-    qkv = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")
-    assert not k.prefetches_weight(x, o_proj, 256, even_k=True)  # none by default
-    pdl_env(PDL_PREFETCH_ENV, "36")
-    assert k.prefetches_weight(x, o_proj, 256, even_k=True)
-    assert not k.prefetches_weight(x, qkv, 256, even_k=True)
-    assert not k.prefetches_weight(x, o_proj, 256, even_k=False)
-    assert not k.prefetches_weight(x.float(), o_proj.float(), 256, even_k=True)
-    pdl_env(PDL_PREFETCH_ENV, "0")
-    assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
-    pdl_env(PDL_PREFETCH_ENV, "64")
-    assert k.prefetches_weight(x, qkv, 256, even_k=True)
-    pdl_env(PDL_PREFETCH_ENV, "lots")
-    with pytest.raises(ValueError, match="whole number of MiB"):
-        k.prefetches_weight(x, qkv, 256, even_k=True)
-    pdl_env(PDL_PREFETCH_ENV, "36")
-    monkeypatch.setattr(k, "pdl_enabled", lambda device: False)
-    assert not k.prefetches_weight(x, o_proj, 256, even_k=True)
+    two = KernelConfig(pdl_prefetch_tiles=2)
+    assert k.prefetch_tiles(tuning.default(), x, 256, even_k=True) == 1
+    assert k.prefetch_tiles(KernelConfig(pdl_prefetch_tiles=0), x, 256, even_k=True) == 0
+    assert k.prefetch_tiles(two, x, 256, even_k=True) == 2
+    assert k.prefetch_tiles(two, x, 64, even_k=True) == 2
+    assert k.prefetch_tiles(two, x.half(), 128, even_k=True) == 2
+    assert k.prefetch_tiles(two, x, 256, even_k=False) == 0
+    assert k.prefetch_tiles(two, x, 32, even_k=True) == 0
+    assert k.prefetch_tiles(two, x, 96, even_k=True) == 0
+    assert k.prefetch_tiles(two, x.float(), 256, even_k=True) == 0
 
 
-def test_pdl_prefetch_constexpr_whole_slice_leading_tiles_or_none(monkeypatch, pdl_env):
-    # The kernel's PREFETCH: -1 a weight that fits the MiB limit (its whole slice), else the
-    # first COMPILE_ENGINE_PDL_PREFETCH_TILES K-tiles of any weight (1 when unset), 0 when set
-    # to 0; never for an uneven K split, float32, or without PDL; a count that is not a whole
-    # number is an error.
-    from compile_engine.kernels_generated.device import PDL_PREFETCH_ENV, PDL_PREFETCH_TILES_ENV
-
-    monkeypatch.setattr(k, "pdl_enabled", lambda device: True)
-    x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
-    o_proj = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
-    gate_up = torch.empty(28672, 4096, dtype=torch.bfloat16, device="meta")
-    pdl_env(PDL_PREFETCH_ENV, None)
-    pdl_env(PDL_PREFETCH_TILES_ENV, None)
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 1  # the first tile by default
-    assert k.prefetch_tiles(x, o_proj, 256, even_k=True) == 1
-    pdl_env(PDL_PREFETCH_TILES_ENV, "0")
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 0
-    pdl_env(PDL_PREFETCH_TILES_ENV, "2")
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 2
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=False) == 0
-    assert k.prefetch_tiles(x.float(), gate_up.float(), 256, even_k=True) == 0
-    pdl_env(PDL_PREFETCH_ENV, "36")
-    assert k.prefetch_tiles(x, o_proj, 256, even_k=True) == -1  # fits: all of it
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 2
-    pdl_env(PDL_PREFETCH_TILES_ENV, "two")
-    with pytest.raises(ValueError, match="whole number of K-tiles"):
-        k.prefetch_tiles(x, gate_up, 256, even_k=True)
-    pdl_env(PDL_PREFETCH_TILES_ENV, "2")
-    monkeypatch.setattr(k, "pdl_enabled", lambda device: False)
-    assert k.prefetch_tiles(x, gate_up, 256, even_k=True) == 0
-
-
-def test_pdl_mode_by_device_rows_and_settings(monkeypatch, pdl_env):
-    # On by default for sm_90+ CUDA devices and launches of at most PDL_MAX_ROWS tokens,
-    # releasing the next kernel after the main loop; never on CPU or older GPUs;
-    # COMPILE_ENGINE_PDL=0 turns it off, COMPILE_ENGINE_PDL_TRIGGER=1 makes it release the next
-    # kernel at once and =0 when the kernel ends; any other setting is an error.
+def test_pdl_on_by_config_rows_and_device(monkeypatch):
+    # On by default for sm_90+ CUDA devices and launches of at most pdl_max_rows (16) tokens;
+    # never on CPU or older GPUs, nor with the config's pdl off.
     import compile_engine.kernels_generated.device as dev
 
-    for name in (dev.PDL_ENV, dev.PDL_TRIGGER_ENV, dev.PDL_ATTENTION_TRIGGER_ENV):
-        pdl_env(name, None)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (9, 0))
-    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_LATE == 3
-    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_RELEASE_LATE
-    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS) == dev.PDL_RELEASE_LATE
-    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
-    assert dev.pdl_mode(torch.device("cpu"), 1) == 0
-    pdl_env(dev.PDL_TRIGGER_ENV, "1")
-    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_AT_ONCE == 2
-    pdl_env(dev.PDL_TRIGGER_ENV, "late")
-    assert dev.pdl_mode(cuda, 1) == dev.PDL_RELEASE_LATE == 3
-    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1) == 0
-    pdl_env(dev.PDL_TRIGGER_ENV, "early")
-    with pytest.raises(ValueError, match="0 .release the next kernel when this one ends"):
-        dev.pdl_mode(cuda, 1)
-    pdl_env(dev.PDL_TRIGGER_ENV, "0")
-    assert dev.pdl_mode(cuda, 1) == dev.PDL_WAIT == 1
-    # Attention follows the others unless set apart.
-    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_WAIT
-    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, "1")
-    assert dev.pdl_mode(cuda, 1, attention=True) == dev.PDL_RELEASE_AT_ONCE
-    assert dev.pdl_mode(cuda, 1) == dev.PDL_WAIT
-    assert dev.pdl_mode(cuda, dev.PDL_MAX_ROWS + 1, attention=True) == dev.PDL_OFF
-    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, "soon")
-    with pytest.raises(ValueError, match="COMPILE_ENGINE_PDL_TRIGGER_ATTENTION='soon'"):
-        dev.pdl_mode(cuda, 1)
-    pdl_env(dev.PDL_ATTENTION_TRIGGER_ENV, None)
-    pdl_env(dev.PDL_ENV, "0")
-    assert dev.pdl_mode(cuda, 1) == 0
-    pdl_env(dev.PDL_ENV, "on")
-    with pytest.raises(ValueError, match="set it to 1 .on. or 0"):
-        dev.pdl_mode(cuda, 1)
-    pdl_env(dev.PDL_ENV, "1")
+    default = tuning.default()
+    assert default.pdl and default.pdl_max_rows == 16
+    assert dev.pdl_on(default, cuda, 1) and dev.pdl_on(default, cuda, 16)
+    assert not dev.pdl_on(default, cuda, 17)
+    assert not dev.pdl_on(default, torch.device("cpu"), 1)
+    assert not dev.pdl_on(KernelConfig(pdl=False), cuda, 1)
+    narrow = KernelConfig(pdl_max_rows=4)
+    assert dev.pdl_on(narrow, cuda, 4) and not dev.pdl_on(narrow, cuda, 5)
+    assert not dev.pdl_on(KernelConfig(pdl_max_rows=0), cuda, 1)
+    assert dev.pdl_launch(True) == {"launch_pdl": True} and dev.pdl_launch(False) == {}
     monkeypatch.setattr(dev, "_cuda_capability", lambda index: (8, 0))
-    assert dev.pdl_mode(cuda, 1) == 0
+    assert not dev.pdl_on(default, cuda, 1)

@@ -18,7 +18,6 @@ from compile_engine.passes.registry import select
 
 from pass_kit import (
     apply_pass,
-    assert_numerics_unchanged,
     count_matches,
     make_model_dir,
     targets_of,
@@ -43,8 +42,10 @@ def test_takes_every_norm_that_feeds_a_linear(graph, dtype):
     assert torch.ops.ce.silu_and_mul.default not in targets
     assert operator.getitem in targets
     gm = apply_pass("add_rms_norm_into_gemm", graph, ctx)
-    gated = [n.args[5] for n in gm.graph.nodes if n.target is fused]
+    calls = [n for n in gm.graph.nodes if n.target is fused]
+    gated = [n.args[5] for n in calls]
     assert sorted(gated) == [False] + [True] * LAYERS  # qkv_proj of layer 1; both gate_ups
+    assert [n.args[6] for n in calls] == [ctx.kernel.key] * MATCHES  # the last argument
 
 
 @pytest.mark.parametrize(
@@ -62,9 +63,10 @@ def test_on_by_default_and_before_the_passes_it_would_race():
 
 
 @pytest.mark.interpreted_child("TRITON_INTERPRET")
-def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
+def test_interpreted_numerics_unchanged(tmp_path, monkeypatch, numerics_with):
     from compile_engine.kernels_generated import skinny_gemm as k
     from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+    from compile_engine.kernels_generated.tuning import KernelConfig
 
     def cfg(mode, block_m, split_k):
         return {"mode": mode, "block_m": block_m, "block_n": 32, "block_k": 32,
@@ -87,21 +89,16 @@ def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
     ]
     table = ConfigTable("skinny_gemm", ("N", "K", "M"), {"kernel": "cublas"},
                         {"h100": TargetConfigs(True, entries)})  # fmt: skip
-    monkeypatch.setattr(k, "config_table", lambda: table)
-    k.config_for.cache_clear()
-    k._entry.cache_clear()
+    table_path = table.save(tmp_path / "skinny_gemm.json")
+    kernel = KernelConfig(tables={"skinny_gemm": str(table_path)})
     modes = []
     real = k.add_rms_norm_gemm
     monkeypatch.setattr(
         k, "add_rms_norm_gemm", lambda *a, **kw: modes.append(kw["mode"]) or real(*a, **kw)
     )
 
-    directory = make_model_dir("llama", tmp_path)
-    result = assert_numerics_unchanged(
-        "add_rms_norm_into_gemm", directory, target="h100", dtype=torch.float16, rtol=2e-3
-    )
-    k.config_for.cache_clear()
-    k._entry.cache_clear()
+    directory = make_model_dir("llama", tmp_path / "model")
+    result = numerics_with(kernel, "add_rms_norm_into_gemm", directory)
     assert result["matches"] == MATCHES
     assert result["max_relative_error"] <= 2e-3  # finite, too
     assert set(modes) == {"swap", "fma", "dot"}, sorted(set(modes))

@@ -42,7 +42,10 @@ def test_one_match_per_sparse_layer_on_h100(graph):
     rewritten = apply_pass("moe_grouped_gemm", graph, ctx)
     assert "moe_grouped_gemm" not in host_sync_ops(rewritten.graph)  # capturable
     targets = targets_of(rewritten)
-    assert targets.count(torch.ops.ce_kernels.moe_fused_experts.default) == SPARSE_LAYERS
+    kernel = torch.ops.ce_kernels.moe_fused_experts.default
+    assert targets.count(kernel) == SPARSE_LAYERS
+    calls = [n for n in rewritten.graph.nodes if n.target is kernel]
+    assert all(len(n.args) == 6 and n.args[-1] == ctx.kernel.key for n in calls)
     for gone in ("moe_align", "moe_grouped_gemm", "moe_combine"):
         assert getattr(torch.ops.ce, gone).default not in targets, gone
     # The router stays for Inductor; the dense layer's and shared experts' silu_and_mul too.

@@ -77,3 +77,20 @@ def test_a_pipeline_that_disagrees_with_the_registry_is_refused(monkeypatch, ord
     monkeypatch.setattr(registry, "ORDER", order)
     with pytest.raises(PipelineError, match="exactly once"):
         load_all()
+
+
+def test_pass_manager_uuid_covers_the_kernel_config():
+    # The artifact's cache key: a build with other kernel settings (or tables) is another one.
+    import torch
+
+    from compile_engine.kernels_generated.tuning import KernelConfig
+    from compile_engine.passes.base import PassContext
+    from compile_engine.passes.manager import PassManager
+
+    def uuid(ctx: PassContext) -> str:
+        return PassManager(select(None), ctx).uuid()
+
+    default = PassContext("h100", torch.bfloat16)
+    assert default.kernel == KernelConfig()
+    assert uuid(default) == uuid(PassContext("h100", torch.bfloat16, KernelConfig()))
+    assert uuid(default) != uuid(PassContext("h100", torch.bfloat16, KernelConfig(pdl=False)))

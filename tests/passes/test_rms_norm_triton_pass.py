@@ -46,6 +46,11 @@ def test_every_norm_matches_on_h100(traced):
     first = 1 + (2 * LAYERS if arch == "qwen3" else 0)
     assert targets.count(torch.ops.ce_kernels.rms_norm.default) == first
     assert targets.count(torch.ops.ce_kernels.add_rms_norm.default) == 2 * LAYERS
+    # Each kernel op takes its ce op's arguments, then the kernel config's key.
+    gm = apply_pass("rms_norm_triton", graph, H100)
+    kernels = (torch.ops.ce_kernels.rms_norm.default, torch.ops.ce_kernels.add_rms_norm.default)
+    calls = [n for n in gm.graph.nodes if n.target in kernels]
+    assert all(n.args[-1] == H100.kernel.key and not n.kwargs for n in calls)
 
 
 def test_does_not_apply_on_cpu(traced):

@@ -41,9 +41,11 @@ def test_one_match_per_layer_on_h100(graph, dtype):
     # The fused node is where the backend splits the graph, as attention was.
     assert sum(is_split_node(n) for n in rewritten.graph.nodes) == LAYERS
     # Its q and k are the QKV projection's views, not a rotary's outputs.
+    # Its last argument is the kernel config's key.
     for node in rewritten.graph.nodes:
         if node.target is torch.ops.ce_kernels.paged_attention_rotary.default:
             assert node.args[0].target is not operator.getitem
+            assert node.args[-1] == ctx.kernel.key
 
 
 def test_leaves_a_rotary_with_other_users(graph):

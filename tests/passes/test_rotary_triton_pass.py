@@ -28,9 +28,12 @@ LAYERS = 2  # tests/tiny_models
 def test_one_match_per_layer_on_h100(graph, dtype):
     ctx = PassContext("h100", dtype)
     assert count_matches("rotary_triton", graph, ctx) == LAYERS
-    targets = targets_of(apply_pass("rotary_triton", graph, ctx))
+    gm = apply_pass("rotary_triton", graph, ctx)
+    targets = targets_of(gm)
     assert torch.ops.ce.rotary.default not in targets
     assert targets.count(torch.ops.ce_kernels.rotary.default) == LAYERS
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.ce_kernels.rotary.default]
+    assert all(len(n.args) == 5 and n.args[-1] == ctx.kernel.key for n in calls)
 
 
 def test_does_not_apply_on_cpu(graph):

@@ -34,9 +34,13 @@ INTERPRETED = os.environ.get("HELION_INTERPRET") == "1"
 def test_one_match_per_layer_on_h100(graph, dtype):
     ctx = PassContext("h100", dtype)
     assert count_matches("silu_and_mul_helion", graph, ctx) == LAYERS
-    targets = targets_of(apply_pass("silu_and_mul_helion", graph, ctx))
+    gm = apply_pass("silu_and_mul_helion", graph, ctx)
+    targets = targets_of(gm)
     assert torch.ops.ce.silu_and_mul.default not in targets
-    assert targets.count(torch.ops.ce_kernels.silu_and_mul_helion.default) == LAYERS
+    kernel = torch.ops.ce_kernels.silu_and_mul_helion.default
+    assert targets.count(kernel) == LAYERS
+    calls = [n for n in gm.graph.nodes if n.target is kernel]
+    assert all(len(n.args) == 2 and n.args[-1] == ctx.kernel.key for n in calls)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ from compile_engine.passes.registry import select
 
 from pass_kit import (
     apply_pass,
-    assert_numerics_unchanged,
     capture_graph,
     count_matches,
     make_model_dir,
@@ -31,9 +30,14 @@ LINEARS = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
 def test_every_linear_on_h100(graph, dtype):
     ctx = PassContext("h100", dtype)
     assert count_matches("skinny_gemm", graph, ctx) == LINEARS * LAYERS
-    targets = targets_of(apply_pass("skinny_gemm", graph, ctx))
+    gm = apply_pass("skinny_gemm", graph, ctx)
+    targets = targets_of(gm)
     assert F.linear not in targets
-    assert targets.count(torch.ops.ce_kernels.skinny_linear.default) == LINEARS * LAYERS
+    kernel = torch.ops.ce_kernels.skinny_linear.default
+    assert targets.count(kernel) == LINEARS * LAYERS
+    # (x, w, the kernel config's key): the table the op dispatches by is the context's.
+    calls = [n for n in gm.graph.nodes if n.target is kernel]
+    assert all(len(n.args) == 3 and n.args[2] == ctx.kernel.key for n in calls)
 
 
 def test_linear_with_bias_left_to_inductor():
@@ -59,9 +63,10 @@ def test_on_by_default_and_removable():
 
 
 @pytest.mark.interpreted_child("TRITON_INTERPRET")
-def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
+def test_interpreted_numerics_unchanged(tmp_path, monkeypatch, numerics_with):
     from compile_engine.kernels_generated import skinny_gemm as k
     from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
+    from compile_engine.kernels_generated.tuning import KernelConfig
 
     def cfg(mode, block_m, split_k):
         return {"kernel": "triton", "mode": mode, "block_m": block_m, "block_n": 32,
@@ -80,19 +85,16 @@ def test_interpreted_numerics_unchanged(tmp_path, monkeypatch):
     ]
     table = ConfigTable("skinny_gemm", ("N", "K", "M"), {"kernel": "cublas"},
                         {"h100": TargetConfigs(True, entries)})  # fmt: skip
-    monkeypatch.setattr(k, "config_table", lambda: table)
-    k.config_for.cache_clear()
+    table_path = table.save(tmp_path / "skinny_gemm.json")
+    kernel = KernelConfig(tables={"skinny_gemm": str(table_path)})
     modes = []
     real = k.skinny_gemm
     monkeypatch.setattr(
         k, "skinny_gemm", lambda *a, **kw: modes.append(kw["mode"]) or real(*a, **kw)
     )
 
-    directory = make_model_dir("llama", tmp_path)
-    result = assert_numerics_unchanged(
-        "skinny_gemm", directory, target="h100", dtype=torch.float16, rtol=2e-3
-    )
-    k.config_for.cache_clear()
+    directory = make_model_dir("llama", tmp_path / "model")
+    result = numerics_with(kernel, "skinny_gemm", directory)
     assert result["matches"] == LINEARS * LAYERS
     assert result["max_relative_error"] <= 2e-3  # finite, too
     assert set(modes) == {"swap", "fma", "dot"}, sorted(set(modes))
