@@ -34,6 +34,11 @@ def add_engine_flags(
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
+    p.add_argument(
+        "--kernel-config",
+        default=None,
+        help="our kernels' launch choices as JSON, e.g. '{\"pdl\": false}' (as serve's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
 
@@ -63,6 +68,10 @@ def engine_settings(llm) -> dict:
         "compiled": llm.engine.compiled is not None,
         "compile": llm.engine.compiled.backend.stats.as_dict() if llm.engine.compiled else None,
         "passes": llm.engine.compiled.pass_manager.describe() if llm.engine.compiled else None,
+        # What our kernels launched with: the settings, the key, each table's file and hash.
+        "kernel_config": llm.engine.compiled.config.kernel.describe()
+        if llm.engine.compiled
+        else None,
         "cuda_graphs": _graph_summary(llm.engine.runner.graphs),
     }
 

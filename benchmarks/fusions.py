@@ -10,7 +10,8 @@ hands Inductor the reference). So each op is timed, at Llama-3-8B shapes in bf16
 - `inductor`: `torch.compile` of the reference, the token dimension dynamic as the engine
   compiles it (T = 1 specialised apart, as Dynamo does);
 - `triton` (and `helion` for silu_and_mul): the custom op the pass swaps in, with its tuned
-  configs from kernels_generated/configs/;
+  configs from kernels_generated/configs/ (the default KernelConfig's key as its last
+  argument, as a build's passes give it the engine's);
 - `eager`: the reference op by op, for scale.
 
 Every variant is replayed from a CUDA graph (kernels_generated/timing.py), as the engine runs a
@@ -50,11 +51,19 @@ def _mark_tokens_dynamic(args: tuple, token_args: tuple[int, ...]) -> None:
             torch._dynamo.mark_dynamic(args[i], 0)
 
 
+def _with_key(op: Callable, key: str) -> Callable:
+    """A kernel op called as the reference is, the kernel config's key appended."""
+    return lambda *args: op(*args, key)
+
+
 def _ops(num_tokens: int, dev: str) -> dict[str, dict]:
     """Per op: inputs at T tokens, bytes it must move, and its variants (name -> callable)."""
     from compile_engine.kernels_generated import add_rms_norm as norm_k
     from compile_engine.kernels_generated import rotary as rotary_k
     from compile_engine.kernels_generated import silu_and_mul as silu_k
+    from compile_engine.kernels_generated import tuning
+
+    key = tuning.default().key
 
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter: no bf16
     x = torch.randn(num_tokens, HIDDEN, device=dev, dtype=bf16)
@@ -71,26 +80,26 @@ def _ops(num_tokens: int, dev: str) -> dict[str, dict]:
             "bytes": norm_k.moved_bytes(num_tokens, HIDDEN, size, residual=True),
             "reference": add_rms_norm_ref,
             "token_args": (0, 1),
-            "kernels": {"triton": torch.ops.ce_kernels.add_rms_norm},
+            "kernels": {"triton": _with_key(torch.ops.ce_kernels.add_rms_norm, key)},
         },
         "rotary": {
             "args": rotary_args,
             "bytes": rotary_k.moved_bytes(num_tokens, NUM_Q_HEADS + NUM_KV_HEADS, HEAD_DIM, size),
             "reference": rotary_ref,
             "token_args": (0, 1, 2),
-            "kernels": {"triton": torch.ops.ce_kernels.rotary},
+            "kernels": {"triton": _with_key(torch.ops.ce_kernels.rotary, key)},
         },
         "silu_and_mul": {
             "args": (gate_up,),
             "bytes": silu_k.moved_bytes(num_tokens, INTER, size),
             "reference": silu_and_mul_ref,
             "token_args": (0,),
-            "kernels": {"triton": torch.ops.ce_kernels.silu_and_mul},
+            "kernels": {"triton": _with_key(torch.ops.ce_kernels.silu_and_mul, key)},
         },
     }
     helion = _helion_op()
     if helion is not None:
-        ops["silu_and_mul"]["kernels"]["helion"] = helion
+        ops["silu_and_mul"]["kernels"]["helion"] = _with_key(helion, key)
     return ops
 
 

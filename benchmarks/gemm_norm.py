@@ -5,18 +5,19 @@ CUDA against the unfused chain it replaces, over a sweep of its launch configs.
 
 For the Llama-3-8B weights a norm feeds, qkv [6144, 4096] and gate_up [28672, 4096] (gated:
 silu_and_mul fused too, as the add_rms_norm_into_gemm pass fuses it), at 1..16 rows: the
-unfused chain as the engine runs it without the fusion (our Triton norm kernel, `linear` with
-the tuned table's choice, and silu_and_mul for gate_up) against each fused config, every
-variant replayed from one CUDA graph round-robin over weight copies that stream from HBM (as
-`bench gemm` times). A fused config must match the reference (to bf16 rounding) before it is
-timed. The fused launch holds more registers and shared memory a program than the plain GEMM
-(x, the residual and the norm weight beside the weight tile), so its config is swept apart from
-the GEMM's.
+unfused chain as the engine runs it without the fusion (our Triton norm kernel, `tuned_linear`
+with the choice of the table the records go to, and silu_and_mul for gate_up) against each
+fused config, every variant replayed from one CUDA graph round-robin over weight copies that
+stream from HBM (as `bench gemm` times). A fused config must match the reference (to bf16
+rounding) before it is timed. The fused launch holds more registers and shared memory a program
+than the plain GEMM (x, the residual and the norm weight beside the weight tile), so its config
+is swept apart from the GEMM's.
 
 --write-configs adds to each (N, K, M) entry of kernels_generated/configs/skinny_gemm.json's h100
 section a `fused` record ({"plain" | "gated": {"config", "fused_us", "unfused_us", ...}}) where the
 best fused config beats the unfused chain by at least --min-speedup, and removes the record
-where it does not: `skinny_gemm.fused_config` fuses only where a record exists.
+where it does not: `skinny_gemm.fused_config` fuses only where a record exists. The unfused
+chain's GEMM is that table's choice (a KernelConfig naming it), else the shipped table's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from compile_engine.benchmarks.gemm import (
     save_sweep,
 )
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.tuning import KernelConfig
 
 FUSED = {"qkv": False, "gate_up": True}  # shape: gated
 ROWS = (1, 2, 4, 8, 16)
@@ -82,7 +85,9 @@ def label(c: dict) -> str:
     return f"{c['block_n']}x{c['block_k']}/w{c['num_warps']}/p{c['num_stages']}{ragged}{tma}"
 
 
-def run_cell(name: str, rows: int, weights: list[torch.Tensor]) -> dict:
+def run_cell(
+    name: str, rows: int, weights: list[torch.Tensor], kernel_config: KernelConfig
+) -> dict:
     from compile_engine.kernels_generated import skinny_gemm as sg
     from compile_engine.kernels_generated.add_rms_norm import rms_norm_triton
     from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
@@ -94,20 +99,22 @@ def run_cell(name: str, rows: int, weights: list[torch.Tensor]) -> dict:
     norm_weight = torch.rand(k_size, device="cuda", dtype=torch.bfloat16) + 0.5
 
     def unfused(w):
-        normed, _ = rms_norm_triton(x, norm_weight, EPS, residual)
-        y = sg.linear(normed, w)
-        return silu_and_mul_triton(y) if gated else y
+        normed, _ = rms_norm_triton(x, norm_weight, EPS, residual, kernel_config=kernel_config)
+        y = sg.tuned_linear(kernel_config, normed, w)
+        return silu_and_mul_triton(y, kernel_config=kernel_config) if gated else y
 
     want = sg.add_rms_norm_linear_ref(x, residual, norm_weight, EPS, weights[0], gated)[0]
     cell: dict = {"shape": name, "N": n_size, "K": k_size, "M": rows, "gated": gated}
-    cell["gemm"] = sg.choose(x, weights[0])[0]
+    cell["gemm"] = sg.choose(kernel_config, x, weights[0])[0]
     cell["unfused_us"] = round(graph_time_us([lambda w=w: unfused(w) for w in weights]), 2)
     variants, failed = {}, []
     for config in candidates(gated):
         name_ = label(config)
 
         def fused(w, c=config):
-            return sg.add_rms_norm_gemm(x, residual, norm_weight, EPS, w, gated=gated, **c)[0]
+            return sg.add_rms_norm_gemm(
+                x, residual, norm_weight, EPS, w, gated=gated, kernel_config=kernel_config, **c
+            )[0]
 
         try:
             err = _close(fused(weights[0]), want)
@@ -127,14 +134,14 @@ def run_cell(name: str, rows: int, weights: list[torch.Tensor]) -> dict:
     return cell
 
 
-def sweep(shapes: list[str], rows: list[int]) -> list[dict]:
+def sweep(shapes: list[str], rows: list[int], kernel_config: KernelConfig) -> list[dict]:
     cells = []
     for name in shapes:
         torch.cuda.empty_cache()
         weights = _weights(*SHAPES[name])[0]
         for m in rows:
             t0 = time.monotonic()
-            cell = run_cell(name, m, weights)
+            cell = run_cell(name, m, weights, kernel_config)
             cell["seconds"] = round(time.monotonic() - t0, 1)
             cells.append(cell)
             best = cell.get("best", "-")
@@ -194,10 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("compile_engine.benchmarks.gemm_norm needs a CUDA device")
     torch.manual_seed(0)
-    cells = sweep(args.shapes, args.rows)
+    kernel_config = (
+        KernelConfig(tables={"skinny_gemm": args.write_configs})
+        if args.write_configs
+        else tuning.default()
+    )
+    cells = sweep(args.shapes, args.rows, kernel_config)
     payload = {
         "dtype": "bfloat16",
         "timing": TIMING,
+        "kernel_config": kernel_config.describe(),  # the unfused GEMM's table among them
         "cells": cells,
     }
     return save_sweep("gemm-norm", payload, args, write_configs)

@@ -69,6 +69,7 @@ def expected_busy_experts(num_experts: int, top_k: int, num_tokens: int) -> floa
 
 def bench_kernel(shapes: list[tuple[int, int, int, int]], token_counts: list[int]) -> list[dict]:
     from compile_engine.kernels_generated import moe_grouped_gemm as mk
+    from compile_engine.kernels_generated import tuning
 
     rows = []
     for num_experts, hidden, inter, top_k in shapes:
@@ -81,8 +82,9 @@ def bench_kernel(shapes: list[tuple[int, int, int, int]], token_counts: list[int
             loop = mk.bench(mk.per_expert_loop, inputs, iters=10)
             busy = int(torch.unique(inputs[4]).numel())
             flops = 2 * num_tokens * top_k * 3 * hidden * inter
-            config = mk.pick_config(num_experts, hidden, inter, num_tokens * top_k,
-                                    torch.device("cuda"))  # fmt: skip
+            # The tiles fused_experts ran with: the default kernel config's table.
+            config = mk.pick_config(tuning.default(), num_experts, hidden, inter,
+                                    num_tokens * top_k, torch.device("cuda"))  # fmt: skip
             rows.append(
                 {
                     "experts": num_experts,

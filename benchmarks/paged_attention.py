@@ -24,6 +24,7 @@ import torch
 
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 from compile_engine.kernels_generated import paged_attention as pa
+from compile_engine.kernels_generated import tuning
 from compile_engine.models.ops import paged_attention_ref
 
 PEAK_GB_S = 4260.0  # H200 HBM3e
@@ -64,8 +65,9 @@ def run(batches: list[int], contexts: list[int], iters: int, max_kv_gb: float) -
                 **SHAPES,
             )
             max_context = batch.block_tables.shape[1] * SHAPES["block_size"]
+            # What the kernel below chooses, with the default kernel config as it runs.
             splits = pa.choose_num_splits(
-                batch_size, SHAPES["num_kv_heads"], max_context, batch.q.device
+                tuning.default(), batch_size, SHAPES["num_kv_heads"], max_context, batch.q.device
             )
             row = {
                 "batch": batch_size,

@@ -27,6 +27,7 @@ from compile_engine.benchmarks.results import (
     environment_settings,
     write_result,
 )
+from compile_engine.kernels_generated.tuning import KernelConfig
 
 RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
 
@@ -157,12 +158,16 @@ def test_throughput_uses_the_offline_token_budget(tiny_model, tmp_path):
 
 
 def test_breakdown_end_to_end(tiny_model, tmp_path):
+    # --kernel-config as serve takes it: the engine's passes give its key to our kernel ops, and
+    # the record says which config that was.
     rc = breakdown.main(
         ["--model", str(tiny_model), "--target", "cpu", "--batch-sizes", "1,3", "--steps", "4",
-         "--kernels", "--results-dir", str(tmp_path)]
+         "--kernels", "--kernel-config", '{"pdl": false}', "--results-dir", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     data = _only_json(tmp_path)
+    recorded = data["settings"]["kernel_config"]
+    assert recorded["key"] == KernelConfig(pdl=False).key and not recorded["settings"]["pdl"]
     assert [r["batch"] for r in data["results"]] == [1, 3]
     for r in data["results"]:
         assert r["step_ms"] > 0 and "schedule" in r["phases_ms"]
