@@ -102,9 +102,16 @@ class ConfigTable:
     def load(cls, path: str | Path) -> ConfigTable:
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            text = path.read_text()
         except FileNotFoundError:
             raise ConfigFileError(f"kernel config file {path} does not exist") from None
+        return cls.parse(text, path)
+
+    @classmethod
+    def parse(cls, text: str, path: Path | None = None) -> ConfigTable:
+        """A table from its file's text (`path` names it in errors and `save`)."""
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ConfigFileError(f"kernel config file {path} is not valid JSON: {err}") from None
         try:

@@ -242,7 +242,7 @@ def tune(
     )
     if write:
         print(f"wrote {table.save()}")
-    tuning.table_written()
+    tuning.default.cache_clear()  # the next default config reads the new table
     config_for.cache_clear()
     return table
 

@@ -23,7 +23,8 @@ What it holds:
   (releasing at once, whole-weight prefetch, attention released apart) are in docs/compiler.md.
 - The tuned tables of the table-driven kernels (configs/<kernel>.json, nearest shape key;
   kernels_generated/configs.py): `tables` names another file for a kernel (an experiment's
-  table, say); the key covers every table's bytes, so retuning changes the key.
+  table, say). A config reads every table once, when it is built, and its key covers those
+  bytes: a retuned table is a new config with a new key.
 - Paged attention's launch configs and split policy (`AttentionTuning`), measured on the H200.
 """
 
@@ -125,6 +126,16 @@ class AttentionTuning:
         return self.tiled_cpu if device_type == "cpu" else self.tiled_cuda
 
     def validate(self) -> None:
+        for name in ("decode_cuda", "decode_cpu", "tiled_cuda", "tiled_cpu"):
+            value = getattr(self, name)
+            for item in value if isinstance(value, tuple) else (value,):
+                if not isinstance(item, DecodeConfig if name.startswith("decode") else TiledConfig):
+                    raise KernelConfigError(f"attention.{name}: {item!r} is not a launch config")
+                for field_ in dataclasses.fields(item):
+                    if field_.name != "maxnreg" or item.maxnreg is not None:
+                        _whole(f"attention.{name}.{field_.name}", getattr(item, field_.name))
+        for name in ("tiled_min_tokens_per_seq", "max_splits", "combine_splits"):
+            _whole(f"attention.{name}", getattr(self, name))
         for name in ("decode_cuda", "decode_cpu"):
             tiers = getattr(self, name)
             if not tiers or tiers[0].least != 1:
@@ -143,6 +154,11 @@ class AttentionTuning:
         for name in ("tiled_min_tokens_per_seq", "max_splits", "combine_splits"):
             if getattr(self, name) < 1:
                 raise KernelConfigError(f"attention.{name} must be >= 1")
+
+
+def _whole(where: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KernelConfigError(f"{where}={value!r}: want a whole number")
 
 
 def _powers_of_two(where: str, **values: int) -> None:
@@ -167,6 +183,8 @@ class KernelConfig:
     tables: dict[str, str] = field(default_factory=dict)
     attention: AttentionTuning = field(default_factory=AttentionTuning)
     key: str = field(init=False, compare=False, default="")
+    # Every table, parsed from the bytes the key hashes: what the kernels launch with.
+    _loaded: dict[str, ConfigTable] = field(init=False, compare=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pdl, bool):
@@ -175,18 +193,31 @@ class KernelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise KernelConfigError(f"{name}={value!r}: want a whole number >= 0")
+        if not isinstance(self.tables, dict):
+            raise KernelConfigError(
+                f"tables={self.tables!r}: want an object of kernel -> table file, kernels "
+                f"{list(TABLES)}"
+            )
         unknown = sorted(set(self.tables) - set(TABLES))
         if unknown:
             raise KernelConfigError(
                 f"tables names unknown kernels {unknown}; tuned tables exist for {list(TABLES)}"
             )
+        object.__setattr__(self, "tables", {k: str(v) for k, v in self.tables.items()})
         for kernel, path in self.tables.items():
             if not Path(path).is_file():
                 raise KernelConfigError(f"tables.{kernel}: {path} is not a file")
+        if not isinstance(self.attention, AttentionTuning):
+            raise KernelConfigError(f"attention={self.attention!r}: want an AttentionTuning")
         self.attention.validate()
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
+        loaded = {}
         for kernel in TABLES:
-            digest.update(self.table_path(kernel).read_bytes())
+            path = self.table_path(kernel)
+            text = path.read_text()
+            digest.update(text.encode())
+            loaded[kernel] = ConfigTable.parse(text, path)
+        object.__setattr__(self, "_loaded", loaded)
         object.__setattr__(self, "key", digest.hexdigest()[:16])
         _REGISTRY.setdefault(self.key, self)
 
@@ -194,12 +225,13 @@ class KernelConfig:
         return Path(self.tables.get(kernel) or CONFIG_DIR / f"{kernel}.json")
 
     def table(self, kernel: str) -> ConfigTable:
-        """The tuned table of `kernel` (loaded once per file in a process)."""
-        return _load_table(str(self.table_path(kernel).resolve()))
+        """The tuned table of `kernel`, as the config read it when it was built (a file
+        rewritten since is a new config's, with a new key)."""
+        return self._loaded[kernel]
 
     def to_dict(self) -> dict:
         """Every setting, JSON-safe; `from_dict` inverts it."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "key"}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         data["attention"] = dataclasses.asdict(self.attention)
         data["tables"] = dict(self.tables)
         return data
@@ -223,7 +255,7 @@ class KernelConfig:
         are an error that lists the known ones."""
         if not isinstance(data, dict):
             raise KernelConfigError(f"a kernel config is a JSON object, got {data!r}")
-        names = {f.name for f in dataclasses.fields(cls) if f.name != "key"}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - names)
         if unknown:
             raise KernelConfigError(
@@ -273,17 +305,6 @@ def _attention_from_dict(data: dict | AttentionTuning) -> AttentionTuning:
     except TypeError as exc:
         raise KernelConfigError(f"attention {data!r}: {exc}") from None
     return AttentionTuning(**fields)
-
-
-@functools.cache
-def _load_table(path: str) -> ConfigTable:
-    return ConfigTable.load(path)
-
-
-def table_written() -> None:
-    """A tuner rewrote a table file: the next `KernelConfig.table` reads it again (configs
-    built before keep the key of the bytes they saw)."""
-    _load_table.cache_clear()
 
 
 def resolve(key: str) -> KernelConfig:

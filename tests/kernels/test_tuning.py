@@ -143,3 +143,29 @@ def test_unknown_key_is_an_error():
     with pytest.raises(KernelConfigError, match="unknown in this process"):
         tuning.resolve("0123456789abcdef")
     assert tuning.resolve(tuning.default().key) == tuning.default()
+
+
+def test_a_table_path_may_be_a_path_and_a_bad_tables_value_is_named(tmp_path):
+    path = _table_copy(tmp_path, "rotary")
+    assert KernelConfig(tables={"rotary": path}) == KernelConfig(tables={"rotary": str(path)})
+    with pytest.raises(KernelConfigError, match="want an object of kernel -> table file"):
+        KernelConfig.from_dict({"tables": "rotary.json"})
+    with pytest.raises(KernelConfigError, match=r"attention.max_splits=1.5: want a whole number"):
+        KernelConfig.from_dict({"attention": {"max_splits": 1.5}})
+    with pytest.raises(KernelConfigError, match=r"decode_cpu.block_n=True: want a whole number"):
+        KernelConfig.from_dict({"attention": {"decode_cpu": [{**_tier(), "block_n": True}]}})
+
+
+def _tier() -> dict:
+    return dataclasses.asdict(AttentionTuning().decode_cpu[0])
+
+
+def test_the_tables_a_config_uses_are_the_bytes_its_key_covers(tmp_path):
+    path = _table_copy(tmp_path, "rotary")
+    before = KernelConfig(tables={"rotary": str(path)})
+    data = json.loads(path.read_text())
+    data["default"]["num_warps"] = 8
+    path.write_text(json.dumps(data))  # rewritten after the config was built
+    assert before.table("rotary").default != data["default"]
+    after = KernelConfig(tables={"rotary": str(path)})
+    assert after.table("rotary").default == data["default"] and after.key != before.key
