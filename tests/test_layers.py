@@ -20,6 +20,7 @@ What counts, read from the source with ast (nothing is imported):
 from __future__ import annotations
 
 import ast
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +45,21 @@ def package_dirs() -> dict[str, Path]:
 
 
 def modules() -> dict[str, Path]:
-    """Every module of the distribution by its installed name, e.g. compile_engine.passes.base."""
+    """Every module of the distribution by its installed name, e.g. compile_engine.passes.base,
+    a layer's subpackages (kernels_generated/paged_attention/) included. The walk does not
+    follow links: compile_engine/'s links to the layer folders are the layers' own packages."""
     found = {}
     for package, folder in package_dirs().items():
-        for path in folder.glob("*.py"):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            found[name] = path
+        for directory, subdirectories, files in os.walk(folder):
+            here = Path(directory)
+            if not (here / "__init__.py").is_file():
+                subdirectories.clear()  # a data folder (configs/, results/), not a package
+                continue
+            prefix = [package, *here.relative_to(folder).parts]
+            for file in files:
+                if file.endswith(".py"):
+                    stem = file.removesuffix(".py")
+                    found[".".join(prefix if stem == "__init__" else [*prefix, stem])] = here / file
     return found
 
 
