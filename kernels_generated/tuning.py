@@ -26,6 +26,7 @@ What it holds:
   table, say). A config reads every table once, when it is built, and its key covers those
   bytes: a retuned table is a new config with a new key.
 - Paged attention's launch configs and split policy (`AttentionTuning`), measured on the H200.
+- MLA latent attention's tiles and split policy (`MlaTuning`).
 """
 
 from __future__ import annotations
@@ -156,6 +157,58 @@ class AttentionTuning:
                 raise KernelConfigError(f"attention.{name} must be >= 1")
 
 
+@dataclass(frozen=True, slots=True)
+class LatentConfig:
+    """The MLA latent kernel's launch config: BLOCK_N cached rows a step, BLOCK_H query heads
+    a program (bounded by the heads rounded up to a power of two and by tl.dot's 16 rows), and
+    the split reduce kernel's warps."""
+
+    block_n: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+    reduce_warps: int
+
+
+@dataclass(frozen=True, slots=True)
+class MlaTuning:
+    """MLA latent attention's launch choices, per device type ("cuda", "cpu": the
+    interpreter). Split-KV runs where a launch's programs would leave SMs idle, by paged
+    attention's policy with MLA's numbers: min_split_keys (below it a split's fixed cost
+    outweighs the parallelism it adds) and max_splits. reduce_block_r: the latent columns a
+    program of the split reduce kernel combines. CUDA tiles: the best of BLOCK_N {16, 32, 64}
+    x warps {4, 8} x stages {2, 3} at every one of DeepSeek-V2-Lite's decode shapes (batch
+    1/64, context 512/4k) on the H200 (`compile-engine bench mla --sweep`; docs/mla.md)."""
+
+    latent_cuda: LatentConfig = LatentConfig(64, 16, num_warps=8, num_stages=2, reduce_warps=4)
+    latent_cpu: LatentConfig = LatentConfig(16, 16, num_warps=1, num_stages=1, reduce_warps=1)
+    min_split_keys: int = 256
+    max_splits: int = 64
+    reduce_block_r: int = 128
+
+    def latent(self, device_type: str) -> LatentConfig:
+        return self.latent_cpu if device_type == "cpu" else self.latent_cuda
+
+    def validate(self) -> None:
+        for name in ("latent_cuda", "latent_cpu"):
+            config = getattr(self, name)
+            if not isinstance(config, LatentConfig):
+                raise KernelConfigError(f"mla.{name}: {config!r} is not a launch config")
+            for field_ in dataclasses.fields(config):
+                value = getattr(config, field_.name)
+                _whole(f"mla.{name}.{field_.name}", value)
+                if value < 1:
+                    raise KernelConfigError(f"mla.{name}.{field_.name} must be >= 1")
+            _powers_of_two(f"mla.{name}", block_n=config.block_n, block_h=config.block_h)
+            if config.block_n < 16:
+                raise KernelConfigError(f"mla.{name}: block_n must be >= 16 (tl.dot's least)")
+        for name in ("min_split_keys", "max_splits", "reduce_block_r"):
+            _whole(f"mla.{name}", getattr(self, name))
+            if getattr(self, name) < 1:
+                raise KernelConfigError(f"mla.{name} must be >= 1")
+        _powers_of_two("mla", reduce_block_r=self.reduce_block_r)
+
+
 def _whole(where: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise KernelConfigError(f"{where}={value!r}: want a whole number")
@@ -182,6 +235,7 @@ class KernelConfig:
     # kernel -> JSON table file used instead of configs/<kernel>.json
     tables: dict[str, str] = field(default_factory=dict)
     attention: AttentionTuning = field(default_factory=AttentionTuning)
+    mla: MlaTuning = field(default_factory=MlaTuning)
     key: str = field(init=False, compare=False, default="")
     # Every table, parsed from the bytes the key hashes: what the kernels launch with.
     _loaded: dict[str, ConfigTable] = field(init=False, compare=False, repr=False, default=None)
@@ -210,6 +264,9 @@ class KernelConfig:
         if not isinstance(self.attention, AttentionTuning):
             raise KernelConfigError(f"attention={self.attention!r}: want an AttentionTuning")
         self.attention.validate()
+        if not isinstance(self.mla, MlaTuning):
+            raise KernelConfigError(f"mla={self.mla!r}: want an MlaTuning")
+        self.mla.validate()
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
         loaded = {}
         for kernel in TABLES:
@@ -233,6 +290,7 @@ class KernelConfig:
         """Every setting, JSON-safe; `from_dict` inverts it."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         data["attention"] = dataclasses.asdict(self.attention)
+        data["mla"] = dataclasses.asdict(self.mla)
         data["tables"] = dict(self.tables)
         return data
 
@@ -264,6 +322,8 @@ class KernelConfig:
         data = dict(data)
         if "attention" in data:
             data["attention"] = _attention_from_dict(data["attention"])
+        if "mla" in data:
+            data["mla"] = _mla_from_dict(data["mla"])
         try:
             return cls(**data)
         except TypeError as exc:
@@ -305,6 +365,24 @@ def _attention_from_dict(data: dict | AttentionTuning) -> AttentionTuning:
     except TypeError as exc:
         raise KernelConfigError(f"attention {data!r}: {exc}") from None
     return AttentionTuning(**fields)
+
+
+def _mla_from_dict(data: dict | MlaTuning) -> MlaTuning:
+    if isinstance(data, MlaTuning):
+        return data
+    if not isinstance(data, dict):
+        raise KernelConfigError(f"mla must be an object, got {data!r}")
+    names = {f.name for f in dataclasses.fields(MlaTuning)}
+    if unknown := sorted(set(data) - names):
+        raise KernelConfigError(f"unknown mla fields {unknown}; known: {sorted(names)}")
+    fields = dict(data)
+    try:
+        for name, value in data.items():
+            if name.startswith("latent_") and isinstance(value, dict):
+                fields[name] = LatentConfig(**value)
+    except TypeError as exc:
+        raise KernelConfigError(f"mla {data!r}: {exc}") from None
+    return MlaTuning(**fields)
 
 
 def resolve(key: str) -> KernelConfig:

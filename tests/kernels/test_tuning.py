@@ -17,6 +17,8 @@ from compile_engine.kernels_generated.tuning import (
     DecodeConfig,
     KernelConfig,
     KernelConfigError,
+    LatentConfig,
+    MlaTuning,
 )
 
 
@@ -31,11 +33,12 @@ def _table_copy(tmp_path, kernel: str = "skinny_gemm", name: str = "t.json"):
     [
         ({"pdl_trigger": "late"}, r"unknown kernel config fields \['pdl_trigger'\]"),
         ({"attention": {"fused_reduce": False}}, r"unknown attention fields \['fused_reduce'\]"),
+        ({"mla": {"block_n": 32}}, r"unknown mla fields \['block_n'\]"),
         ({"tables": {"cutlass": "x.json"}}, r"tables names unknown kernels \['cutlass'\]"),
         ("[1, 2]", "a kernel config is a JSON object"),
         ("{pdl: false}", "is not JSON"),
     ],
-    ids=["field", "attention-field", "table-kernel", "not-an-object", "not-json"],
+    ids=["field", "attention-field", "mla-field", "table-kernel", "not-an-object", "not-json"],
 )
 def test_unknown_fields_are_an_error_naming_the_known_ones(data, match):
     with pytest.raises(KernelConfigError, match=match):
@@ -44,6 +47,7 @@ def test_unknown_fields_are_an_error_naming_the_known_ones(data, match):
 
 TILED = {"rows": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}
 TIER = {"least": 1, "block_n": 16, "num_warps": 1, "num_stages": 1, "min_split_keys": 16}
+LATENT = {"block_n": 16, "block_h": 16, "num_warps": 1, "num_stages": 1, "reduce_warps": 1}
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,13 @@ TIER = {"least": 1, "block_n": 16, "num_warps": 1, "num_stages": 1, "min_split_k
         ({"attention": {"decode_cpu": [{**TIER, "block_n": 24}]}}, "block_n=24 must be a power"),
         ({"attention": {"decode_cuda": [{**TIER, "least": 2}]}}, "first tier with least 1"),
         ({"attention": {"decode_cpu": [{"least": 1, "block": 16}]}}, "attention .*block"),
+        ({"mla": {"min_split_keys": 0}}, "mla.min_split_keys must be >= 1"),
+        ({"mla": {"reduce_block_r": 96}}, "reduce_block_r=96 must be a power"),
+        ({"mla": {"latent_cpu": {**LATENT, "block_n": 8}}}, "block_n must be >= 16"),
+        ({"mla": {"latent_cuda": {**LATENT, "block_h": 12}}}, "block_h=12 must be a power"),
+        ({"mla": {"latent_cpu": {**LATENT, "num_warps": 0}}}, "num_warps must be >= 1"),
+        ({"mla": {"latent_cpu": {"block_n": 16}}}, "mla .*missing"),
+        ({"mla": 3}, "mla must be an object"),
     ],
     ids=lambda v: None if isinstance(v, str) else json.dumps(v)[:40],
 )
@@ -96,8 +107,9 @@ def test_key_changes_with_each_setting():
         KernelConfig(pdl_max_rows=8).key,
         KernelConfig(pdl_prefetch_tiles=0).key,
         KernelConfig(attention=dataclasses.replace(AttentionTuning(), combine_splits=4)).key,
+        KernelConfig(mla=dataclasses.replace(MlaTuning(), max_splits=32)).key,
     }
-    assert len(keys) == 5
+    assert len(keys) == 6
     assert KernelConfig().key == default.key  # content, not identity
 
 
@@ -108,6 +120,7 @@ def test_round_trips_through_its_dict_and_json(tmp_path):
         pdl_prefetch_tiles=2,
         tables={"rotary": str(path)},
         attention=dataclasses.replace(AttentionTuning(), max_splits=16),
+        mla=MlaTuning(latent_cpu=LatentConfig(32, 16, num_warps=2, num_stages=1, reduce_warps=1)),
     )
     again = KernelConfig.coerce(json.dumps(config.to_dict()))
     assert again == config and again.key == config.key
@@ -169,3 +182,12 @@ def test_the_tables_a_config_uses_are_the_bytes_its_key_covers(tmp_path):
     assert before.table("rotary").default != data["default"]
     after = KernelConfig(tables={"rotary": str(path)})
     assert after.table("rotary").default == data["default"] and after.key != before.key
+
+
+def test_mla_defaults_are_the_measured_tiles_and_split_policy():
+    # The values the MLA kernel launched with before they were kernel config: H200 tiles
+    # (docs/mla.md), the interpreter's, 256 keys a split at least, 64 splits, 128 columns.
+    mla = tuning.default().mla
+    assert mla.latent("cuda") == LatentConfig(64, 16, num_warps=8, num_stages=2, reduce_warps=4)
+    assert mla.latent("cpu") == LatentConfig(16, 16, num_warps=1, num_stages=1, reduce_warps=1)
+    assert (mla.min_split_keys, mla.max_splits, mla.reduce_block_r) == (256, 64, 128)
