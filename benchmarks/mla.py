@@ -6,14 +6,16 @@ a token costs in each form, and decode tok/s of a DeepSeek-V2-Lite-shaped model.
 Attention at DeepSeek-V2-Lite's shapes (16 heads, kv_lora_rank 512, rope 64, nope 128, v 128,
 bf16, KV block 16), one new token per sequence, every sequence at the same context:
 
-- `latent kernel`: ce_kernels::mla_latent_attention alone (kernels_generated/mla_attention.py),
-  replayed from a CUDA graph, as the engine runs decode; bandwidth counts the latent rows read.
+- `latent kernel`: ce_kernels::mla_latent_attention alone (kernels_generated/mla_attention/,
+  `bench`), replayed from a CUDA graph, as the engine runs decode; bandwidth counts the latent
+  rows read.
 - `absorbed`: what the mla_absorb pass puts in the graph: q_nope @ W_UK, the kernel, @ W_UV
   (CUDA graph).
 - `naive reference`: models.mla.mla_attention_ref, gather + up-projection of every context
   latent through kv_b_proj + SDPA, eager (it reads lengths on the host, so no graph).
 
---sweep times a grid of kernel tiles (BLOCK_N, warps, stages) per shape. --model builds a
+--sweep times a grid of kernel tiles (BLOCK_N, warps, stages: the CUDA `LatentConfig` of the
+kernel config's `MlaTuning`) per shape. --model builds a
 DeepSeek-V2-Lite-shaped random model in GPU memory (about 31 GB in bf16; drawn in place, not
 written to disk: the loader path is covered on CPU) and measures decode tok/s through the
 engine (compiled, mla_absorb on, CUDA graphs) at batch 1 and 64. `render_details(result)`
@@ -23,6 +25,8 @@ turns the JSON into docs/performance.md lines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -31,12 +35,18 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.kernels_generated.tuning import KernelConfig, MlaTuning
 from compile_engine.models import mla
+
+if TYPE_CHECKING:  # imported where used: the CPU path (the bytes table) needs no Triton
+    from compile_engine.benchmarks.attention_inputs import LatentBatch
 
 PEAK_GB_S = 4260.0  # H200 HBM3e copy rate, BRIEF.md
 V2_LITE = {
@@ -119,17 +129,48 @@ def kv_bytes_table(element_size: int = 2) -> dict:
 # --------------------------------------------------------------------------- kernel
 
 
+def bench(
+    batch: LatentBatch,
+    *,
+    fn=None,
+    warmup: int = 3,
+    iters: int = 20,
+    inner: int = 10,
+    cuda_graph: bool = False,
+) -> dict[str, float]:
+    """Time `fn(*batch.args())` (default: the Triton kernel) on CUDA: the median over `iters`
+    samples of `inner` back-to-back calls between two CUDA events, and the achieved bandwidth
+    (latent bytes read + q and out bytes) / time. cuda_graph=True captures one call and
+    replays it, as the engine runs decode."""
+    from compile_engine.kernels_generated import mla_attention as mk
+
+    fn = mk.mla_latent_attention_triton if fn is None else fn
+    call = functools.partial(fn, *batch.args())
+    seconds = event_seconds(call, cuda_graph=cuda_graph, warmup=warmup, iters=iters, inner=inner)
+    q = batch.q_latent
+    moved = batch.latent_bytes_read() + 2 * q.numel() * q.element_size()
+    return {"seconds": seconds, "gb_s": moved / seconds / 1e9}
+
+
 def _latency(fn, *, cuda_graph: bool, iters: int, inner: int) -> float:
     """Median seconds per call of fn() (graph replay when cuda_graph)."""
     return event_seconds(fn, cuda_graph=cuda_graph, iters=iters, inner=inner)
 
 
+def _tiles_config(tiles: dict) -> KernelConfig:
+    """The default kernel config with the CUDA latent tiles `tiles` (block_n, num_warps,
+    num_stages)."""
+    default = MlaTuning()
+    latent = dataclasses.replace(default.latent_cuda, **tiles)
+    return KernelConfig(mla=dataclasses.replace(default, latent_cuda=latent))
+
+
 def _inputs(batch_size: int, context: int):
-    from compile_engine.kernels_generated import mla_attention as mk
+    from compile_engine.benchmarks.attention_inputs import make_latent_batch
 
     s = V2_LITE
     qk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
-    batch = mk.make_batch(
+    batch = make_latent_batch(
         [1] * batch_size,
         [context] * batch_size,
         num_heads=s["num_heads"],
@@ -161,14 +202,10 @@ def bench_kernel(batches: list[int], contexts: list[int], iters: int) -> list[di
     for batch_size in batches:
         for context in contexts:
             batch, q, w_kv_b = _inputs(batch_size, context)
-            args = batch.args()
-            meta = args[3:7]
-            read = batch.latent_bytes_read() + 2 * batch.q_latent.numel() * 2
+            meta = batch.args()[3:7]
             max_context = batch.block_tables.shape[1] * V2_LITE["block_size"]
-            splits = mk.choose_num_splits(batch_size, 1, max_context, q.device)
-
-            def kernel(args=args):
-                return mk.mla_latent_attention_triton(*args)
+            # What the kernel chooses with the default kernel config (16 heads: one head block).
+            splits = mk.choose_num_splits(tuning.default(), batch_size, 1, max_context, q.device)
 
             def absorbed(batch=batch, q=q, w=w_kv_b, meta=meta):
                 return mla.mla_attention_absorbed(
@@ -187,9 +224,9 @@ def bench_kernel(batches: list[int], contexts: list[int], iters: int) -> list[di
                 "latent_mb": batch.latent_bytes_read() / 1e6,
                 "num_splits": splits,
             }
-            kernel_s = _latency(kernel, cuda_graph=True, iters=iters, inner=10)
-            row["kernel_ms"] = kernel_s * 1e3
-            row["kernel_gb_s"] = read / kernel_s / 1e9
+            kernel = bench(batch, cuda_graph=True, iters=iters, inner=10)
+            row["kernel_ms"] = kernel["seconds"] * 1e3
+            row["kernel_gb_s"] = kernel["gb_s"]
             row["kernel_pct_of_peak"] = 100 * row["kernel_gb_s"] / PEAK_GB_S
             row["absorbed_ms"] = _latency(absorbed, cuda_graph=True, iters=iters, inner=10) * 1e3
             row["naive_reference_ms"] = (
@@ -209,15 +246,16 @@ def sweep_tiles(batches: list[int], contexts: list[int], iters: int) -> dict:
 
     from compile_engine.kernels_generated import mla_attention as mk
 
+    configs = [(tiles, _tiles_config(tiles)) for tiles in TILE_GRID]
     results = []
     for batch_size in batches:
         for context in contexts:
             batch, _, _ = _inputs(batch_size, context)
             args = batch.args()
-            for tiles in TILE_GRID:
+            for tiles, config in configs:
 
-                def kernel(args=args, tiles=tiles):
-                    return mk.mla_latent_attention_triton(*args, **tiles)
+                def kernel(args=args, config=config):
+                    return mk.mla_latent_attention_triton(*args, kernel_config=config)
 
                 try:
                     ms = _latency(kernel, cuda_graph=True, iters=iters, inner=10) * 1e3

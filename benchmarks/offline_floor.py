@@ -202,16 +202,15 @@ def _measure_attention(w: Workload, seconds: float) -> dict[str, dict]:
     """Decode attention over the run's contexts and the prompts' tiled attention, 32 layers."""
     import torch
 
+    from compile_engine.benchmarks.attention_inputs import make_batch
     from compile_engine.kernels_generated import paged_attention as pa
 
     contexts = spread_contexts(w.decode_contexts(), DECODE_BATCH)
-    decode = pa.make_batch(
+    decode = make_batch(
         [1] * DECODE_BATCH, contexts, dtype=torch.bfloat16, device="cuda", **ATTENTION
     ).args()
     prompts = [w.prompt_len] * PREFILL_CHUNKS
-    prefill = pa.make_batch(
-        prompts, prompts, dtype=torch.bfloat16, device="cuda", **ATTENTION
-    ).args()
+    prefill = make_batch(prompts, prompts, dtype=torch.bfloat16, device="cuda", **ATTENTION).args()
 
     def layers(args, **kwargs):
         def run():

@@ -22,9 +22,11 @@ import functools
 
 import torch
 
+from compile_engine.benchmarks.attention_inputs import PagedBatch, make_batch
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 from compile_engine.kernels_generated import paged_attention as pa
 from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.timing import event_seconds
 from compile_engine.models.ops import paged_attention_ref
 
 PEAK_GB_S = 4260.0  # H200 HBM3e
@@ -36,9 +38,31 @@ def _kv_gb(batch_size: int, context: int) -> float:
     return 2 * batch_size * context * d["num_kv_heads"] * d["head_dim"] * 2 / 1e9
 
 
-def _measure(batch: pa.PagedBatch, fn, iters: int, **kwargs) -> dict | None:
+def bench(
+    batch: PagedBatch,
+    *,
+    fn=None,
+    warmup: int = 3,
+    iters: int = 20,
+    inner: int = 10,
+    cuda_graph: bool = False,
+) -> dict[str, float]:
+    """Time `fn(*batch.args())` (default: the Triton kernel) on CUDA: the median over `iters`
+    samples of `inner` back-to-back calls between two CUDA events, and the achieved bandwidth
+    (K/V bytes read + q and out bytes) / time. cuda_graph=True captures one call and replays
+    it, as the engine runs decode: eager timing of a small batch measures Python launch
+    overhead, not the kernel. Repeated calls find a context smaller than L2 (60 MB on the
+    H200) cached there."""
+    fn = pa.paged_attention_triton if fn is None else fn
+    call = functools.partial(fn, *batch.args())
+    seconds = event_seconds(call, cuda_graph=cuda_graph, warmup=warmup, iters=iters, inner=inner)
+    moved = batch.kv_bytes_read() + 2 * batch.q.numel() * batch.q.element_size()
+    return {"seconds": seconds, "gb_s": moved / seconds / 1e9}
+
+
+def _measure(batch: PagedBatch, fn, iters: int, **kwargs) -> dict | None:
     try:
-        result = pa.bench(batch, fn=fn, iters=iters, **kwargs)
+        result = bench(batch, fn=fn, iters=iters, **kwargs)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -57,7 +81,7 @@ def run(batches: list[int], contexts: list[int], iters: int, max_kv_gb: float) -
             if kv_gb > max_kv_gb:
                 print(f"skip batch {batch_size} context {context}: KV {kv_gb:.1f} GB")
                 continue
-            batch = pa.make_batch(
+            batch = make_batch(
                 [1] * batch_size,
                 [context] * batch_size,
                 dtype=torch.bfloat16,
@@ -103,7 +127,7 @@ def _prefill_flops(chunks: int, chunk_len: int, context: int) -> float:
 def run_prefill(chunks: int, chunk_len: int, contexts: list[int], iters: int) -> list[dict]:
     rows = []
     for context in contexts:
-        batch = pa.make_batch(
+        batch = make_batch(
             [chunk_len] * chunks,
             [context + chunk_len] * chunks,
             dtype=torch.bfloat16,

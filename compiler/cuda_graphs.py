@@ -65,7 +65,7 @@ def default_capture_sizes(
     return sizes + [top] if top > max(sizes[-1], 512) else sizes
 
 
-# The passes that lower attention to kernels_generated/paged_attention.py's kernel, whose split
+# The passes that lower attention to kernels_generated/paged_attention/'s kernel, whose split
 # count follows the block table's width.
 PAGED_ATTENTION_PASSES = ("paged_attention_triton", "rotary_into_attention")
 

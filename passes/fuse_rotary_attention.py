@@ -2,7 +2,7 @@
 
 Matches: a `ce.paged_attention` whose q and k are the two outputs of one `ce.rotary` and
 nothing else's (one pair per attention layer: QKV projection -> rotary -> attention). Emits:
-`ce_kernels.paged_attention_rotary` (kernels_generated/paged_attention.py) on the unrotated q
+`ce_kernels.paged_attention_rotary` (kernels_generated/paged_attention/) on the unrotated q
 and k, the rotary's positions and cos/sin table: the kernel applies the rotation where it
 loads q, the token's own key and this step's keys, and writes the rotated keys to the cache,
 so the layer loses the rotary kernel and its rotated copies of q and k. The rotation rounds
@@ -54,7 +54,12 @@ class RotaryIntoAttention(GraphPass):
     name = "rotary_into_attention"
     description = "rotary + paged_attention -> one Triton kernel rotating q and k as it loads"
     targets = ("h100",)
-    kernel_files = ("kernels_generated/paged_attention.py",)
+    kernel_files = (
+        "kernels_generated/paged_attention/__init__.py",
+        "kernels_generated/paged_attention/kernels.py",
+        "kernels_generated/paged_attention/launch.py",
+        "kernels_generated/paged_attention/ops.py",
+    )
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         import compile_engine.kernels_generated.paged_attention  # noqa: F401  (registers ce_kernels ops)

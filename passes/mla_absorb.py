@@ -16,9 +16,10 @@ up-projecting the whole context every step: per decode token and layer the naive
 L (R H (N + V)) multiply-adds to rebuild K and V, the absorbed one H (N R + R V) once.
 
 On h100 the attention op is `ce_kernels.mla_latent_attention`, the Triton kernel of
-kernels_generated/mla_attention.py (one launch per layer for the whole packed batch, no host
-sync, CUDA-graph safe). On cpu it is `ce.mla_latent_attention`, the plain-PyTorch reference
-of the same latent form (still no up-projection of the context).
+kernels_generated/mla_attention/ (one launch per layer for the whole packed batch, no host
+sync, CUDA-graph safe), with the kernel config's key as its last argument. On cpu it is
+`ce.mla_latent_attention`, the plain-PyTorch reference of the same latent form (still no
+up-projection of the context).
 
 Prefill chunks take the absorbed path too, in the same launch as the decodes of the step. For
 long prefills the up-projected form does fewer FLOPs per (query, key) pair (H (N + P + V) vs
@@ -34,9 +35,8 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from compile_engine import kernels_generated
 from compile_engine.models import mla
-from compile_engine.passes.base import GraphPass, PassContext, op_nodes
+from compile_engine.passes.base import REPO_ROOT, GraphPass, PassContext, op_nodes
 from compile_engine.passes.registry import register
 
 
@@ -49,8 +49,9 @@ def _emit(graph: fx.Graph, target, args: tuple) -> fx.Node:
     return graph.call_function(target, args)
 
 
-def absorb(graph: fx.Graph, node: fx.Node, latent_attention) -> fx.Node:
-    """Replace one mla_attention node by the absorbed composition; returns its output node."""
+def absorb(graph: fx.Graph, node: fx.Node, latent_attention, extra: tuple = ()) -> fx.Node:
+    """Replace one mla_attention node by the absorbed composition; returns its output node.
+    `extra`: arguments the latent op takes after the reference's (a kernel op's config key)."""
     q, kv_latent, cache, slots, tables, seq_lens, starts, w_kv_b, scale = node.args
     rank, rope, nope, v_dim = mla.mla_dims(_val(q), _val(cache), _val(w_kv_b))
     num_heads = _val(q).shape[1]
@@ -65,7 +66,7 @@ def absorb(graph: fx.Graph, node: fx.Node, latent_attention) -> fx.Node:
         o_latent = _emit(
             graph,
             latent_attention,
-            (q_latent, kv_latent, cache, slots, tables, seq_lens, starts, rank, scale),
+            (q_latent, kv_latent, cache, slots, tables, seq_lens, starts, rank, scale, *extra),
         )  # [T, H, R]
         out = _emit(graph, torch.einsum, ("thr,hvr->thv", o_latent, w_uv))
     node.replace_all_uses_with(out)
@@ -78,10 +79,20 @@ class MLAAbsorb(GraphPass):
     name = "mla_absorb"
     description = "mla_attention up-projected -> weight-absorbed latent attention (Triton on h100)"
 
+    # The kernel's package and the paged-attention launch code it shares.
+    kernel_files = (
+        "kernels_generated/mla_attention/__init__.py",
+        "kernels_generated/mla_attention/kernels.py",
+        "kernels_generated/mla_attention/launch.py",
+        "kernels_generated/mla_attention/ops.py",
+        "kernels_generated/paged_attention/launch.py",
+    )
+
     def uuid(self) -> str:
-        # The emitted graph is written by module-level code and runs the kernel file.
+        # The emitted graph is written by module-level code and runs the kernel's files.
         h = hashlib.sha256(Path(__file__).read_bytes())
-        h.update((Path(kernels_generated.__file__).parent / "mla_attention.py").read_bytes())
+        for path in self.kernel_files:
+            h.update((REPO_ROOT / path).read_bytes())
         return h.hexdigest()[:16]
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
@@ -89,9 +100,10 @@ class MLAAbsorb(GraphPass):
             import compile_engine.kernels_generated.mla_attention  # noqa: F401  (registers ce_kernels ops)
 
             latent_attention = torch.ops.ce_kernels.mla_latent_attention.default
+            extra = (ctx.kernel.key,)  # how the kernel config reaches the launch (base.lower)
         else:
-            latent_attention = torch.ops.ce.mla_latent_attention.default
+            latent_attention, extra = torch.ops.ce.mla_latent_attention.default, ()
         nodes = op_nodes(graph, "mla_attention")
         for node in nodes:
-            absorb(graph, node, latent_attention)
+            absorb(graph, node, latent_attention, extra)
         return len(nodes)

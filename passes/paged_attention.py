@@ -2,7 +2,7 @@
 
 Matches: every `ce.paged_attention` (the model's reference: write K/V through the slot
 mapping, gather each sequence's blocks, masked SDPA). Emits: `ce_kernels.paged_attention`
-(kernels_generated/paged_attention.py), one launch per layer for the whole packed batch, with
+(kernels_generated/paged_attention/), one launch per layer for the whole packed batch, with
 the KV write fused, no gathered copy, no host synchronisation, its grid sized from tensor
 shapes only, which is what lets the runner capture whole-model CUDA graphs for mixed batches.
 Applies on h100 (sm_90) only: on CPU the reference is the faster path.

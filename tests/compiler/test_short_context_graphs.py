@@ -13,6 +13,7 @@ from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, short_table_wid
 from compile_engine.kernels_generated import paged_attention as pa
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.kernels_generated.paged_attention import launch
 from compile_engine.kernels_generated.tuning import AttentionTuning, KernelConfig
 from compile_engine.models.layers import AttentionMetadata
 
@@ -153,7 +154,7 @@ def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):
     # token runs unsplit on a table of <= 160 keys and gets a 10-block short graph; 2-16
     # tokens split as before whatever the width; from 17 tokens nothing splits.
     cuda = torch.device("cuda")
-    monkeypatch.setattr(pa, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     config = tuning.default()
     assert pa.choose_num_splits(config, 1, 8, 160, cuda) == 1
     assert pa.choose_num_splits(config, 1, 8, 176, cuda) == 3  # 176 keys, 64 a split

@@ -7,11 +7,17 @@ variable cannot be set in this process). GPU cases run bf16 at DeepSeek-V2-Lite'
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from compile_engine.benchmarks import attention_inputs as ai
 from compile_engine.kernels_generated import mla_attention as mk
+from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.kernels_generated.paged_attention import launch as paged_launch
+from compile_engine.kernels_generated.tuning import KernelConfig, LatentConfig, MlaTuning
 from compile_engine.models.mla import (
     mla_attention_absorbed,
     mla_attention_ref,
@@ -21,6 +27,7 @@ from compile_engine.models.mla import (
 from pass_kit import run_interpreted
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
+KEY = tuning.default().key  # the op's last argument: the kernel config the pass gives it
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or mk.INTERPRETED,
     reason="needs CUDA (and compiled, not interpreted, Triton)",
@@ -39,13 +46,13 @@ CASES = {
 }
 
 
-def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> mk.LatentBatch:
+def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> ai.LatentBatch:
     q_lens, seq_lens, extra = CASES[name]
     extra = dict(extra)
     if spare := extra.pop("spare_blocks", 0):
         blocks = [-(-n // block_size) for n in seq_lens]
         extra.update(table_width=max(blocks) + spare, num_blocks=1 + sum(blocks) + spare)
-    return mk.make_batch(
+    return ai.make_latent_batch(
         q_lens, seq_lens, block_size=block_size, dtype=dtype, seed=seed, qk_head_dim=24, **extra
     )
 
@@ -59,13 +66,13 @@ def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> mk.
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference_fp32(case: str, block_size: int, num_splits: int):
     # check() also compares the latent cache written by the kernel with the reference's.
-    mk.check(_batch(case, block_size, torch.float32, seed=block_size), num_splits=num_splits)
+    ai.check_latent(_batch(case, block_size, torch.float32, seed=block_size), num_splits=num_splits)
 
 
 @interpreted
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_matches_reference_fp16(num_splits: int):
-    mk.check(_batch("mixed", 4, torch.float16), num_splits=num_splits, atol=2e-3)
+    ai.check_latent(_batch("mixed", 4, torch.float16), num_splits=num_splits, atol=2e-3)
 
 
 @interpreted
@@ -102,7 +109,7 @@ def test_custom_op_traces_as_one_node_and_mutates_cache():
     batch = _batch("decode", 4, torch.float32)
 
     def step(*args):
-        return torch.ops.ce_kernels.mla_latent_attention(*args) * 2
+        return torch.ops.ce_kernels.mla_latent_attention(*args, KEY) * 2
 
     cache_ref, cache_op = batch.latent_cache.clone(), batch.latent_cache.clone()
     expected = mla_latent_attention_ref(*batch.args(cache_ref)) * 2
@@ -116,14 +123,46 @@ def test_custom_op_traces_as_one_node_and_mutates_cache():
 
 def test_choose_num_splits_reads_shapes_only():
     cpu = torch.device("cpu")
-    assert mk.choose_num_splits(CPU_SM_COUNT, 1, 32768, cpu) == 1  # enough programs
-    assert mk.choose_num_splits(1, 1, 32768, cpu) > 1  # one long decode: split
-    assert mk.choose_num_splits(1, 1, 16, cpu) == 1  # short context: nothing to split
-    assert mk.choose_num_splits(1, 1, 10**7, cpu) <= mk._MAX_SPLITS
+    default = tuning.default()
+    assert mk.choose_num_splits(default, CPU_SM_COUNT, 1, 32768, cpu) == 1  # enough programs
+    assert mk.choose_num_splits(default, 1, 1, 32768, cpu) > 1  # one long decode: split
+    assert mk.choose_num_splits(default, 1, 1, 16, cpu) == 1  # short context: nothing to split
+    assert mk.choose_num_splits(default, 1, 1, 10**7, cpu) <= default.mla.max_splits
+
+
+def test_split_policy_is_paged_attentions_with_the_configs_numbers():
+    # The numbers MLA had before the policy was shared: 256 keys a split at least, 64 splits
+    # at most; the count is paged attention's split_count over T x head-block programs.
+    cpu = torch.device("cpu")
+    default = tuning.default()
+    assert (default.mla.min_split_keys, default.mla.max_splits) == (256, 64)
+    for tokens, head_blocks, context in [(1, 1, 700), (1, 2, 32768), (3, 1, 4096), (8, 1, 99)]:
+        assert mk.choose_num_splits(default, tokens, head_blocks, context, cpu) == (
+            paged_launch.split_count(tokens * head_blocks, context, 256, 64, cpu)
+        )
+    assert mk.choose_num_splits(default, 1, 1, 700, cpu) == 3  # 700 keys, 256 a split
+    fewer = KernelConfig(mla=dataclasses.replace(MlaTuning(), min_split_keys=64, max_splits=4))
+    assert mk.choose_num_splits(fewer, 1, 1, 700, cpu) == 4  # the cap
+
+
+@interpreted
+def test_tiles_from_the_kernel_config():
+    # Other tiles (BLOCK_N 32, 2 warps, a 2-column reduce) and a custom op given that config's
+    # key: still the reference's output, single pass and split.
+    tiles = LatentConfig(32, 16, num_warps=2, num_stages=1, reduce_warps=1)
+    config = KernelConfig(mla=dataclasses.replace(MlaTuning(), latent_cpu=tiles, reduce_block_r=2))
+    batch = _batch("odd_shapes", 3, torch.float32)
+    for num_splits in (1, 3):
+        ai.check_latent(batch, num_splits=num_splits, kernel_config=config)
+    cache_ref, cache_op = batch.latent_cache.clone(), batch.latent_cache.clone()
+    expected = mla_latent_attention_ref(*batch.args(cache_ref))
+    got = torch.ops.ce_kernels.mla_latent_attention(*batch.args(cache_op), config.key)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache_op, cache_ref)
 
 
 def test_rejects_mismatched_cache():
-    batch = mk.make_batch([1], [3])
+    batch = ai.make_latent_batch([1], [3])
     with pytest.raises(mk.MLAKernelError, match="shape mismatch"):
         mk.mla_latent_attention_triton(
             batch.q_latent, batch.kv_latent, torch.zeros(2, 4, 40), batch.slot_mapping,
@@ -145,15 +184,10 @@ V2_LITE = {"num_heads": 16, "kv_lora_rank": 512, "rope_dim": 64, "block_size": 1
 V2_LITE_QK = 128 + 64  # the softmax scale is that of a qk head (nope + rope)
 
 
-def _gpu_compare(batch: mk.LatentBatch, num_splits: int | None = None) -> None:
-    cache_ref, cache_out = batch.latent_cache.clone(), batch.latent_cache.clone()
-    expected = mla_latent_attention_ref(*batch.args(cache_ref)).float()
-    got = mk.mla_latent_attention_triton(*batch.args(cache_out), num_splits=num_splits).float()
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item()
-    err = (got - expected).abs().max().item()
-    assert cos >= 0.999, f"cosine {cos}"
-    assert err < 2e-2, f"max abs err {err}"
-    assert torch.equal(cache_out, cache_ref)
+def _gpu_compare(batch: ai.LatentBatch, num_splits: int | None = None) -> None:
+    # The written cache equal to the reference's, the output within 2e-2, cosine >= 0.999.
+    stats = ai.check_latent(batch, num_splits=num_splits, atol=2e-2)
+    assert stats["cosine"] >= 0.999, f"cosine {stats['cosine']}"
 
 
 @pytest.mark.gpu
@@ -162,7 +196,7 @@ def _gpu_compare(batch: mk.LatentBatch, num_splits: int | None = None) -> None:
 @pytest.mark.parametrize("batch_size", [1, 64])
 @pytest.mark.parametrize("num_splits", [None, 1, 8], ids=["auto", "single", "split8"])
 def test_gpu_decode_bf16(batch_size: int, context: int, num_splits: int | None):
-    batch = mk.make_batch(
+    batch = ai.make_latent_batch(
         [1] * batch_size, [context] * batch_size, dtype=torch.bfloat16, device="cuda",
         qk_head_dim=V2_LITE_QK, **V2_LITE,
     )  # fmt: skip
@@ -173,7 +207,7 @@ def test_gpu_decode_bf16(batch_size: int, context: int, num_splits: int | None):
 @requires_cuda
 def test_gpu_mixed_bf16():
     decode_lens = [int(x) for x in torch.randint(1, 3000, (30,), generator=torch.Generator())]
-    batch = mk.make_batch(
+    batch = ai.make_latent_batch(
         [256, 100] + [1] * 30, [256, 900] + decode_lens, dtype=torch.bfloat16, device="cuda",
         qk_head_dim=V2_LITE_QK, **V2_LITE,
     )  # fmt: skip
@@ -189,8 +223,8 @@ def test_gpu_cuda_graph_replay_matches_eager():
         pad_tokens=4, pad_seqs=2, table_width=64, num_blocks=256, dtype=torch.bfloat16,
         device="cuda", qk_head_dim=V2_LITE_QK, **V2_LITE,
     )  # fmt: skip
-    first = mk.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
-    second = mk.make_batch([1, 1, 5, 1], [300, 2, 64, 17], seed=2, **shapes)
+    first = ai.make_latent_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
+    second = ai.make_latent_batch([1, 1, 5, 1], [300, 2, 64, 17], seed=2, **shapes)
     static = [t.clone() for t in first.args() if isinstance(t, torch.Tensor)]
     rank, scale = first.kv_lora_rank, first.scale
 

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from compile_engine.benchmarks import attention_inputs as ai
 from compile_engine.kernels_generated import paged_attention as pa
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.counters import ALLOCATED
 from compile_engine.kernels_generated.device import CPU_SM_COUNT
+from compile_engine.kernels_generated.paged_attention import launch
 from compile_engine.kernels_generated.tuning import AttentionTuning, KernelConfig
 from compile_engine.models.ops import paged_attention_ref
 
@@ -63,18 +65,7 @@ def _attention(tier: dict | None = None, **fields) -> KernelConfig:
     return KernelConfig(attention=dataclasses.replace(default, decode_cpu=decode_cpu, **fields))
 
 
-def _check(batch: pa.PagedBatch, config: KernelConfig, num_splits: int | None) -> None:
-    """pa.check with `config`'s launch configs: the output and the written cache against the
-    reference's."""
-    cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = paged_attention_ref(*batch.args(cache_ref))
-    got = pa.paged_attention_triton(
-        *batch.args(cache_out), num_splits=num_splits, kernel_config=config
-    )
-    pa.compare_outputs(got, expected, (cache_out, cache_ref), "kv_cache")
-
-
-def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> pa.PagedBatch:
+def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> ai.PagedBatch:
     q_lens, seq_lens, extra = CASES[name]
     extra = dict(extra)
     if spare := extra.pop("spare_blocks", 0):
@@ -82,7 +73,7 @@ def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> pa.
         extra.update(table_width=max(blocks) + spare, num_blocks=1 + sum(blocks) + spare)
     # Two head sizes: 32 in half precision, 16 in float32.
     head_dim = 32 if dtype == torch.float16 else 16
-    return pa.make_batch(
+    return ai.make_batch(
         q_lens,
         seq_lens,
         num_kv_heads=2,
@@ -106,7 +97,7 @@ def test_matches_reference(case: str, block_size: int, dtype: torch.dtype, num_s
     batch = _batch(case, block_size, dtype, seed=block_size)
     atol = 1e-4 if dtype == torch.float32 else 2e-3
     # check() also compares the KV cache written by the kernel with the reference's.
-    pa.check(batch, num_splits=num_splits, atol=atol)
+    ai.check(batch, num_splits=num_splits, atol=atol)
 
 
 @interpreted
@@ -121,9 +112,9 @@ def test_padding_tokens_are_zero_and_real_tokens_unaffected():
 @interpreted
 def test_split_partials_cover_many_splits():
     # More splits than BLOCK_N-sized chunks of the shortest context: empty splits must drop out.
-    batch = pa.make_batch([1, 1], [70, 2], block_size=3)
+    batch = ai.make_batch([1, 1], [70, 2], block_size=3)
     for num_splits in (2, 5, 8):
-        pa.check(batch, num_splits=num_splits)
+        ai.check(batch, num_splits=num_splits)
 
 
 @interpreted
@@ -142,19 +133,19 @@ def test_decode_variants(fields: dict, tier: dict):
     # tile, a register cap, from the kernel config: every variant matches the reference, with
     # padding, an empty sequence between, and sequences shorter and longer than a split.
     config = _attention(tier, **fields)
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         [1, 6, 0, 1, 1], [21, 6, 4, 44, 70], num_q_heads=8, num_kv_heads=2, block_size=3,
         pad_tokens=2, pad_seqs=1,
     )  # fmt: skip
     for num_splits in (1, 5, None):
-        _check(batch, config, num_splits)
+        ai.check(batch, num_splits=num_splits, kernel_config=config)
 
 
 @interpreted
 def test_fused_split_reduce_leaves_counters_zero():
     # The program that combines a (token, head group)'s splits zeroes its counter again, so
     # the next launch (the next layer, a graph replay) finds every counter at zero.
-    batch = pa.make_batch([1, 1], [70, 40], block_size=4)
+    batch = ai.make_batch([1, 1], [70, 40], block_size=4)
     first = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), num_splits=4)
     counters = ALLOCATED[("paged_attention", batch.q.device)]
     assert int(counters.abs().sum()) == 0
@@ -200,7 +191,7 @@ ROTARY_MODES = {"single": {"num_splits": 1}, "split3": {"num_splits": 3}, "tiled
 def test_rotary_matches_reference(case: str, mode: str):
     # float16: the kernel rounds each product and the sum as the reference's fp16 ops do.
     batch = _batch(case, 4, torch.float16, seed=11)
-    pa.check(batch, rot_dim=batch.q.shape[-1], atol=2e-3, **ROTARY_MODES[mode])
+    ai.check(batch, rot_dim=batch.q.shape[-1], atol=2e-3, **ROTARY_MODES[mode])
 
 
 @interpreted
@@ -209,13 +200,13 @@ def test_rotary_matches_reference(case: str, mode: str):
 def test_rotary_partial_width_matches_reference(case: str, mode: str):
     # rot_dim < head_dim (e.g. GPT-NeoX style partial rotary): columns past it pass through.
     batch = _batch(case, 3, torch.float32, seed=5)
-    pa.check(batch, rot_dim=batch.q.shape[-1] // 2, **ROTARY_MODES[mode])
+    ai.check(batch, rot_dim=batch.q.shape[-1] // 2, **ROTARY_MODES[mode])
 
 
 @interpreted
 def test_rotary_custom_op_matches_reference_and_mutates_cache():
     batch = _batch("chunked_prefill", 4, torch.float32)
-    q, k, v, positions, table = pa.rotary_inputs(batch, batch.q.shape[-1])
+    q, k, v, positions, table = ai.rotary_inputs(batch, batch.q.shape[-1])
     rest = batch.args()[4:]
     cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = pa.paged_attention_rotary_ref(q, k, v, cache_ref, *rest, positions, table)
@@ -228,7 +219,7 @@ def test_rotary_custom_op_matches_reference_and_mutates_cache():
 
 def test_rotary_inputs_are_checked():
     batch = _batch("decode", 4, torch.float32)
-    q, k, v, positions, table = pa.rotary_inputs(batch, batch.q.shape[-1])
+    q, k, v, positions, table = ai.rotary_inputs(batch, batch.q.shape[-1])
     rest = batch.args()[4:]
     with pytest.raises(pa.PagedAttentionKernelError, match="both positions and cos_sin_cache"):
         pa.paged_attention_triton(q, k, v, batch.kv_cache, *rest, positions=positions)
@@ -254,7 +245,7 @@ TILED_SEQ_LENS = [12, 9, 19, 2, 30, 50]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_tiled_matches_reference(block_size: int, dtype: torch.dtype, group: int):
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         TILED_Q_LENS,
         TILED_SEQ_LENS,
         num_q_heads=2 * group,
@@ -268,7 +259,7 @@ def test_tiled_matches_reference(block_size: int, dtype: torch.dtype, group: int
     )
     atol = 1e-4 if dtype == torch.float32 else 2e-3
     # check() also compares the KV cache written by the kernel (padding into block 0).
-    pa.check(batch, tiled=True, atol=atol)
+    ai.check(batch, tiled=True, atol=atol)
     out = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), tiled=True)
     real = int(batch.query_start_loc[-1])
     assert torch.equal(out[real:], torch.zeros_like(out[real:]))
@@ -279,11 +270,11 @@ def test_tiled_chosen_by_shapes_in_the_op(monkeypatch: pytest.MonkeyPatch):
     # The custom op the engine calls takes the tiled variant for a prefill-heavy batch (15
     # tokens for 2 sequences), unless its kernel config asks for more tokens a sequence; an
     # explicit num_splits runs the single-token kernel.
-    batch = pa.make_batch([6, 9], [6, 20], block_size=4)
+    batch = ai.make_batch([6, 9], [6, 20], block_size=4)
     launched = []
-    launch = pa._launch_tiled
+    launch_tiled = launch._launch_tiled
     monkeypatch.setattr(
-        pa, "_launch_tiled", lambda *a, **kw: launched.append(a[-1]) or launch(*a, **kw)
+        launch, "_launch_tiled", lambda *a, **kw: launched.append(a[-1]) or launch_tiled(*a, **kw)
     )
     cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
     expected = paged_attention_ref(*batch.args(cache_ref))
@@ -300,7 +291,7 @@ def test_tiled_chosen_by_shapes_in_the_op(monkeypatch: pytest.MonkeyPatch):
 
 @interpreted
 def test_tiled_refuses_splits():
-    batch = pa.make_batch([3], [9])
+    batch = ai.make_batch([3], [9])
     with pytest.raises(pa.PagedAttentionKernelError, match="does not split"):
         pa.paged_attention_triton(*batch.args(), tiled=True, num_splits=2)
 
@@ -362,13 +353,13 @@ def test_unsplit_context():
     # The CUDA tiers: one token unsplit on a table of <= 160 keys (the H200's 132 SMs).
     cuda = torch.device("cuda")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pa, "sm_count", lambda device: 132)
+        patch.setattr(launch, "sm_count", lambda device: 132)
         assert pa.unsplit_context(default, 1, 8, cuda) == 160
         assert pa.unsplit_context(default, 4, 8, cuda) == 0
 
 
 def test_rejects_unsupported_head_dim():
-    batch = pa.make_batch([1], [3], head_dim=16)
+    batch = ai.make_batch([1], [3], head_dim=16)
     q = torch.zeros(1, 4, 24)
     k = v = torch.zeros(1, 2, 24)
     cache = torch.zeros(2, 2, 4, 2, 24)
@@ -398,32 +389,15 @@ LLAMA8B = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 
 
 
 def _gpu_compare(
-    batch: pa.PagedBatch,
+    batch: ai.PagedBatch,
     num_splits: int | None = None,
     tiled: bool | None = None,
     rot_dim: int | None = None,
 ) -> None:
-    cache_ref, cache_out = batch.kv_cache.clone(), batch.kv_cache.clone()
-    if rot_dim is None:
-        expected = paged_attention_ref(*batch.args(cache_ref)).float()
-        got = pa.paged_attention_triton(
-            *batch.args(cache_out), num_splits=num_splits, tiled=tiled
-        ).float()
-    else:  # q and k unrotated, rotated by the kernel; the cache must match bit for bit
-        q, k, v, positions, table = pa.rotary_inputs(batch, rot_dim)
-        rest = batch.args()[4:]
-        expected = pa.paged_attention_rotary_ref(
-            q, k, v, cache_ref, *rest, positions, table
-        ).float()
-        got = pa.paged_attention_triton(
-            q, k, v, cache_out, *rest, num_splits=num_splits, tiled=tiled, positions=positions,
-            cos_sin_cache=table,
-        ).float()  # fmt: skip
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item()
-    err = (got - expected).abs().max().item()
-    assert cos >= 0.999, f"cosine {cos}"
-    assert err < 2e-2, f"max abs err {err}"
-    assert torch.equal(cache_out, cache_ref)
+    # The written cache must equal the reference's bit for bit (with rot_dim: the keys the
+    # kernel rotated), the output be within 2e-2 and its cosine at least 0.999.
+    stats = ai.check(batch, num_splits=num_splits, tiled=tiled, rot_dim=rot_dim, atol=2e-2)
+    assert stats["cosine"] >= 0.999, f"cosine {stats['cosine']}"
 
 
 @pytest.mark.gpu
@@ -432,7 +406,7 @@ def _gpu_compare(
 @pytest.mark.parametrize("batch_size", [1, 64, 256])
 @pytest.mark.parametrize("num_splits", [None, 1, 8], ids=["auto", "single", "split8"])
 def test_gpu_decode_bf16(batch_size: int, context: int, num_splits: int | None):
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         [1] * batch_size, [context] * batch_size, dtype=torch.bfloat16, device="cuda", **LLAMA8B
     )
     _gpu_compare(batch, num_splits)
@@ -443,7 +417,7 @@ def test_gpu_decode_bf16(batch_size: int, context: int, num_splits: int | None):
 @pytest.mark.parametrize("num_splits", [None, 4], ids=["auto", "split4"])
 def test_gpu_mixed_bf16(num_splits: int | None):
     decode_lens = [int(x) for x in torch.randint(1, 3000, (62,), generator=torch.Generator())]
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         [512, 512] + [1] * 62,
         [512, 1024] + decode_lens,
         dtype=torch.bfloat16,
@@ -458,7 +432,7 @@ def test_gpu_mixed_bf16(num_splits: int | None):
 @pytest.mark.parametrize("context", [0, 1536])
 def test_gpu_tiled_prefill_bf16(context: int):
     # Four 512-token chunks, with and without cached context, plus decodes and padding.
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         [512] * 4 + [1] * 4,
         [context + 512] * 4 + [700, 33, 2048, 5],
         pad_tokens=7,
@@ -484,7 +458,7 @@ def test_gpu_rotary_bf16(shape: str):
         "tiled": ([512] * 3 + [1] * 4, [1024] * 3 + [700, 33, 2048, 5], True),
     }
     q_lens, seq_lens, tiled = layouts[shape]
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         q_lens, seq_lens, pad_tokens=3, dtype=torch.bfloat16, device="cuda", **LLAMA8B
     )
     _gpu_compare(batch, tiled=tiled, rot_dim=LLAMA8B["head_dim"])
@@ -493,7 +467,7 @@ def test_gpu_rotary_bf16(shape: str):
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_tiled_matches_single_token_kernel_bf16():
-    batch = pa.make_batch(
+    batch = ai.make_batch(
         [512, 300, 1], [2048, 300, 900], dtype=torch.bfloat16, device="cuda", **LLAMA8B
     )
     tiled = pa.paged_attention_triton(*batch.args(batch.kv_cache.clone()), tiled=True).float()
@@ -513,10 +487,10 @@ def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None, tiled: bool
         pad_tokens=4, pad_seqs=2, table_width=64, num_blocks=256, dtype=torch.bfloat16,
         device="cuda", **LLAMA8B,
     )  # fmt: skip
-    first = pa.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
-    second = pa.make_batch([1, 1, 5, 1], [300, 2, 64, 17], seed=2, **shapes)
+    first = ai.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
+    second = ai.make_batch([1, 1, 5, 1], [300, 2, 64, 17], seed=2, **shapes)
 
-    def run(b: pa.PagedBatch) -> torch.Tensor:
+    def run(b: ai.PagedBatch) -> torch.Tensor:
         return pa.paged_attention_triton(*b.args(), num_splits=num_splits, tiled=tiled)
 
     expected = {}
@@ -525,7 +499,7 @@ def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None, tiled: bool
         expected[name] = pa.paged_attention_triton(
             *b.args(cache), num_splits=num_splits, tiled=tiled
         )
-    static = pa.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
+    static = ai.make_batch([1, 1, 5, 1], [100, 37, 5, 260], seed=1, **shapes)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -551,10 +525,10 @@ def test_compare_outputs_fails_on_a_cache_or_output_off_the_reference():
     # differs at all, or an output past atol (by dtype unless given), fails.
     expected = torch.ones(2, 4, dtype=torch.float16)
     cache = torch.zeros(3)
-    stats = pa.compare_outputs(expected + 1e-3, expected, (cache, cache.clone()), "kv_cache")
+    stats = ai.compare_outputs(expected + 1e-3, expected, (cache, cache.clone()), "kv_cache")
     assert stats["max_abs_err"] == pytest.approx(1e-3, rel=0.1) and stats["cosine"] > 0.999
     with pytest.raises(AssertionError, match="max abs error"):
-        pa.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache")
-    pa.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache", atol=0.1)
+        ai.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache")
+    ai.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache", atol=0.1)
     with pytest.raises(AssertionError, match="latent cache after the kernel differs"):
-        pa.compare_outputs(expected, expected, (cache, cache + 1), "latent cache")
+        ai.compare_outputs(expected, expected, (cache, cache + 1), "latent cache")

@@ -545,11 +545,12 @@ def test_gpu_pdl_chain_gives_the_same_output(rows, tiles):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     import compile_engine.kernels_generated.paged_attention as pa
+    from compile_engine.benchmarks.attention_inputs import make_batch
     from compile_engine.kernels_generated.device import pdl_on
     from compile_engine.kernels_generated.silu_and_mul import silu_and_mul_triton
 
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-    batch = pa.make_batch([1] * rows, [100] * rows, dtype=torch.bfloat16, device="cuda", **heads)
+    batch = make_batch([1] * rows, [100] * rows, dtype=torch.bfloat16, device="cuda", **heads)
     x, w_o = _inputs(1, 4096, 4096, torch.bfloat16, "cuda")
     _, w_up = _inputs(2, 4096, 4096, torch.bfloat16, "cuda")
     _, w_down = _inputs(1, 4096, 2048, torch.bfloat16, "cuda")

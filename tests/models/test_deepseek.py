@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compile_engine import LLM
-from compile_engine.kernels_generated.mla_attention import make_batch
+from compile_engine.benchmarks.attention_inputs import make_latent_batch
 from compile_engine.models import mla
 from compile_engine.models.deepseek import DeepseekConfig, softmax_scale
 from compile_engine.models.loader import load_model
@@ -116,7 +116,7 @@ def test_absorbed_form_equals_naive_reference(case):
     up-projected attention, and both write the same latent rows."""
     q_lens, seq_lens = case
     heads, nope, rope, rank, v_dim = 4, 16, 8, 32, 12
-    batch = make_batch(
+    batch = make_latent_batch(
         q_lens, seq_lens, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, block_size=4
     )
     gen = torch.Generator().manual_seed(1)

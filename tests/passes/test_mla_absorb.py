@@ -54,6 +54,13 @@ def test_one_match_per_layer(graph, target, emitted):
     assert torch.ops.ce.mla_attention.default not in targets
     names = [t._schema.name for t in targets if isinstance(t, torch._ops.OpOverload)]
     assert names.count(emitted) == LAYERS
+    # The kernel op takes the kernel config's key last; the reference op the schema alone.
+    calls = [n for n in rewritten.graph.nodes if getattr(n.target, "_schema", None)
+             and n.target._schema.name == emitted]  # fmt: skip
+    if target == "h100":
+        assert all(len(n.args) == 10 and n.args[-1] == ctx.kernel.key for n in calls)
+    else:
+        assert all(len(n.args) == 9 for n in calls)  # ce::mla_latent_attention's own schema
     # Capturable in a CUDA graph only where the kernel lowering replaced the reference.
     syncing = host_sync_ops(rewritten.graph)  # (the MoE layers' own op is another pass's)
     assert ("mla_latent_attention" in syncing) == (target == "cpu")
