@@ -23,6 +23,10 @@ COMMANDS = {
         "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server",
     ),
     "kv-waste": ("compile_engine.benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
+    "kernel": (
+        "compile_engine.benchmarks.kernel_harness",
+        "one kernel: check vs its reference, bench, --tune its table",
+    ),
     "fusions": (
         "compile_engine.benchmarks.fusions",
         "norm/rotary/silu kernels vs Inductor's fusion, per T",

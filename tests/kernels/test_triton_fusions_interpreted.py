@@ -1,9 +1,10 @@
-"""The CPU cases of the Triton fusion kernels' tests (add_rms_norm, rotary, silu_and_mul), run
-under the Triton interpreter in one child pytest.
+"""The CPU cases of the Triton fusion kernels' tests (add_rms_norm, rotary, silu_and_mul,
+argmax) and of the shared kernel harness (tests/benchmarks/test_kernel_harness.py), run under
+the Triton interpreter in one child pytest.
 
 TRITON_INTERPRET=1 must be set before triton is first imported and would leak into every later
 test of this process, so those cases (marked interpreted_child) run in a child that has it from
-its start. One child for the three files, not one each: a child costs seconds of imports on the
+its start. One child for the five files, not one each: a child costs seconds of imports on the
 2-core CI machine before its first case."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ FILES = (
     "test_rotary.py",
     "test_silu_and_mul_triton.py",
     "test_argmax.py",
+    "../benchmarks/test_kernel_harness.py",
 )
 
 
