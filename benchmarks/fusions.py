@@ -14,7 +14,7 @@ hands Inductor the reference). So each op is timed, at Llama-3-8B shapes in bf16
   argument, as a build's passes give it the engine's);
 - `eager`: the reference op by op, for scale.
 
-Every variant is replayed from a CUDA graph (kernels_generated/timing.py), as the engine runs a
+Every variant is replayed from a CUDA graph (benchmarks/timing.py), as the engine runs a
 step, and reported in microseconds per call and GB/s of the bytes the op must move. Inputs are
 the same every call, so at small T they sit in L2 (as a layer's activations mostly do).
 """
@@ -58,9 +58,10 @@ def _with_key(op: Callable, key: str) -> Callable:
 
 def _ops(num_tokens: int, dev: str) -> dict[str, dict]:
     """Per op: inputs at T tokens, bytes it must move, and its variants (name -> callable)."""
-    from compile_engine.kernels_generated import add_rms_norm as norm_k
-    from compile_engine.kernels_generated import rotary as rotary_k
-    from compile_engine.kernels_generated import silu_and_mul as silu_k
+    import compile_engine.kernels_generated.add_rms_norm  # noqa: F401  (registers the ce_kernels ops)
+    import compile_engine.kernels_generated.rotary  # noqa: F401
+    import compile_engine.kernels_generated.silu_and_mul  # noqa: F401
+    from compile_engine.benchmarks import kernel_specs as specs
     from compile_engine.kernels_generated import tuning
 
     key = tuning.default().key
@@ -70,28 +71,28 @@ def _ops(num_tokens: int, dev: str) -> dict[str, dict]:
     residual = torch.randn_like(x)
     weight = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(bf16)
     size = bf16.itemsize
-    rotary_args = rotary_k.make_inputs(
+    rotary_args = specs.rotary_inputs(
         num_tokens, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=bf16, device=dev
     )
     gate_up = torch.randn(num_tokens, 2 * INTER, device=dev, dtype=bf16)
     ops = {
         "add_rms_norm": {
             "args": (x, residual, weight, EPS),
-            "bytes": norm_k.moved_bytes(num_tokens, HIDDEN, size, residual=True),
+            "bytes": specs.add_rms_norm_bytes(num_tokens, HIDDEN, size),
             "reference": add_rms_norm_ref,
             "token_args": (0, 1),
             "kernels": {"triton": _with_key(torch.ops.ce_kernels.add_rms_norm, key)},
         },
         "rotary": {
             "args": rotary_args,
-            "bytes": rotary_k.moved_bytes(num_tokens, NUM_Q_HEADS + NUM_KV_HEADS, HEAD_DIM, size),
+            "bytes": specs.rotary_bytes(num_tokens, NUM_Q_HEADS + NUM_KV_HEADS, HEAD_DIM, size),
             "reference": rotary_ref,
             "token_args": (0, 1, 2),
             "kernels": {"triton": _with_key(torch.ops.ce_kernels.rotary, key)},
         },
         "silu_and_mul": {
             "args": (gate_up,),
-            "bytes": silu_k.moved_bytes(num_tokens, INTER, size),
+            "bytes": specs.silu_and_mul_bytes(num_tokens, INTER, size),
             "reference": silu_and_mul_ref,
             "token_args": (0,),
             "kernels": {"triton": _with_key(torch.ops.ce_kernels.silu_and_mul, key)},
@@ -124,7 +125,7 @@ def _check(name: str, got, want) -> None:
 def run(tokens: list[int], device: str = "cuda") -> list[dict]:
     """Time every op's variants at each token count; `device` other than cuda is for smoke
     tests of this script under the Triton interpreter (float32, tiny T)."""
-    from compile_engine.kernels_generated.timing import graph_us
+    from compile_engine.benchmarks.timing import graph_us
 
     inductor = {}
     rows = []
@@ -208,10 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench fusions needs a CUDA device")
-    import compile_engine.kernels_generated.add_rms_norm  # noqa: F401  (register the ce_kernels ops)
-    import compile_engine.kernels_generated.rotary  # noqa: F401
-    import compile_engine.kernels_generated.silu_and_mul  # noqa: F401
-
     rows = run(args.tokens)
     decided = verdicts(rows)
     for pass_name, v in decided.items():

@@ -21,17 +21,17 @@ CUDA-graph replay): 1.71 / 1.87 / 2.60 / 17.94 us at T = 1 / 64 / 256 / 2048 (3.
 2048), a tie with Inductor's fusion of the reference, which is also one row per program.
 
 Configs (num_warps) per target and shape class {H, T = rows bucketed to a power of two} live
-in configs/add_rms_norm.json, picked by nearest key (kernels_generated/configs.py); `tune()`
-measures them on the GPU. On CPU the kernel runs only under the Triton interpreter
+in configs/add_rms_norm.json, picked by nearest key (kernels_generated/configs.py); `compile-
+engine bench kernel add_rms_norm` checks and times the kernel, `--tune` measures the configs
+(benchmarks/kernel_harness.py). On CPU the kernel runs only under the Triton interpreter
 (`TRITON_INTERPRET=1` before triton is first imported), which computes bf16 wrongly, so CPU
-tensors must be float32 or float16. `check()` compares with the reference; `bench()` times it.
+tensors must be float32 or float16.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 
 import torch
 import triton
@@ -40,25 +40,13 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import (
-    CONFIG_DIR,
-    TARGET_OF_DEVICE,
-    ConfigEntry,
-    ConfigTable,
-    TargetConfigs,
-    bucket_tokens,
-    tuning_provenance,
-)
-from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.kernels_generated.configs import TARGET_OF_DEVICE, bucket_tokens
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import (
     add_rms_norm_fake,
-    add_rms_norm_ref,
     rms_norm_fake,
-    rms_norm_ref,
 )
 
-CONFIG_FILE = CONFIG_DIR / "add_rms_norm.json"
 MAX_HIDDEN = 65536  # one tile per row: past this the registers spill (no model comes close)
 # A CUDA device is taken to be an H100/H200 (sm_90), the only GPU target.
 
@@ -279,119 +267,3 @@ def _add_rms_norm_kernel_fake(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, tuning_key: str
 ) -> tuple[Tensor, Tensor]:
     return add_rms_norm_fake(x, residual, weight, eps)
-
-
-# --------------------------------------------------------------------------- check, bench, tune
-
-# Llama-3-8B's hidden size, and the q/k norm rows of a Qwen3 head (D 128, 40 heads a token).
-REAL_SHAPES = ((1, 4096), (64, 4096), (256, 4096), (2048, 4096))
-
-
-def moved_bytes(num_rows: int, hidden: int, element_size: int, residual: bool) -> int:
-    """Bytes the op must move: x (+ residual) in, out (+ residual out) out, and the weight."""
-    return ((4 if residual else 2) * num_rows + 1) * hidden * element_size
-
-
-def check(
-    shapes: tuple[tuple[int, int], ...] | None = None, dtype: torch.dtype | None = None
-) -> float:
-    """Compare both ops with their references on this machine's device; return the largest
-    absolute error. CPU: small float32 shapes under the interpreter. CUDA: real shapes in bf16,
-    where one ulp of bf16 (the float32 sum's order) is the tolerance."""
-    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-    if shapes is None:
-        shapes = ((1, 64), (5, 48), (9, 96)) if device == "cpu" else REAL_SHAPES
-    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    worst = 0.0
-    for num_rows, hidden in shapes:
-        x = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
-        r = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
-        weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(dtype)
-        key = tuning.default().key
-        pairs = [(rms_norm(x, weight, 1e-5, key), rms_norm_ref(x, weight, 1e-5))]
-        got, want = add_rms_norm(x, r, weight, 1e-5, key), add_rms_norm_ref(x, r, weight, 1e-5)
-        pairs += list(zip(got, want, strict=True))
-        for got, want in pairs:
-            torch.testing.assert_close(got, want, **tolerance(dtype))
-            worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return worst
-
-
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
-    """One ulp of the activation dtype relative, a little more in float32 (rsqrt's last bits)."""
-    return {
-        torch.float32: {"rtol": 1e-5, "atol": 1e-5},
-        torch.float16: {"rtol": 1e-3, "atol": 1e-3},
-        torch.bfloat16: {"rtol": 8e-3, "atol": 8e-3},
-    }[dtype]
-
-
-def bench(shapes: tuple[tuple[int, int], ...] = REAL_SHAPES) -> list[dict]:
-    """Microseconds and GB/s of add_rms_norm against the eager reference, bf16 on CUDA, from
-    CUDA-graph replay. Inductor's fusion of the reference is timed by `bench fusions`."""
-    if not torch.cuda.is_available() or INTERPRETED:
-        raise RmsNormKernelError("bench() needs a CUDA device and compiled Triton")
-    rows = []
-    for num_rows, hidden in shapes:
-        x = torch.randn(num_rows, hidden, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn_like(x)
-        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        moved = moved_bytes(num_rows, hidden, 2, residual=True)
-        row = {"T": num_rows, "H": hidden}
-        triton_fn = lambda x, r, w, eps: rms_norm_triton(x, w, eps, r)  # noqa: E731
-        for name, fn in (("triton", triton_fn), ("reference", add_rms_norm_ref)):
-            us = graph_us(lambda fn=fn, x=x, r=r, w=w: fn(x, r, w, 1e-5))
-            row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
-        rows.append(row)
-        print(
-            f"T={num_rows:5d} H={hidden:5d}  triton {row['triton_us']:7.2f} us "
-            f"{row['triton_gbs']:7.1f} GB/s   reference {row['reference_us']:7.2f} us"
-        )
-    return rows
-
-
-TUNE_WARPS = (1, 2, 4, 8, 16)
-TUNE_SHAPES = (*REAL_SHAPES, (32, 128), (2048, 128), (65536, 128))
-
-
-def tune(
-    shapes: tuple[tuple[int, int], ...] = TUNE_SHAPES, target: str = "h100", write: bool = True
-) -> ConfigTable:
-    """Time add_rms_norm (bf16) with every num_warps in TUNE_WARPS per shape class on this CUDA
-    device and record the fastest, with provenance, under `target` in configs/add_rms_norm.json.
-    A few seconds: the only knob is the warp count of a one-row program."""
-    if not torch.cuda.is_available() or INTERPRETED:
-        raise RmsNormKernelError("tune() needs a CUDA device and compiled Triton")
-    table = ConfigTable.load(CONFIG_FILE)
-    info = tuning_provenance()
-    entries = []
-    for num_rows, hidden in shapes:
-        x = torch.randn(num_rows, hidden, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn_like(x)
-        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        times = {}
-        for warps in TUNE_WARPS:
-            if warps * 32 > triton.next_power_of_2(hidden):  # more threads than elements
-                continue
-            times[warps] = graph_us(
-                lambda warps=warps, x=x, r=r, w=w: rms_norm_triton(x, w, 1e-5, r, num_warps=warps)
-            )
-        best = min(times, key=times.get)
-        us = {str(k): round(v, 2) for k, v in times.items()}
-        entries.append(
-            ConfigEntry(shape_key(num_rows, hidden), {"num_warps": best}, {**info, "us": us})
-        )
-        print(f"T={num_rows:6d} H={hidden:5d}: num_warps {best}  {us}", flush=True)
-    table.targets[target] = TargetConfigs(
-        True, entries, note=f"tuned on {info['device']} by add_rms_norm.tune() (add_rms_norm)"
-    )
-    if write:
-        print(f"wrote {table.save()}")
-    tuning.default.cache_clear()  # the next default config reads the new table
-    config_for.cache_clear()
-    return table
-
-
-if __name__ == "__main__":
-    sys.exit(kernel_main(__doc__.splitlines()[0], check, bench, tune))

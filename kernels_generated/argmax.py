@@ -16,7 +16,8 @@ row with a NaN returns the first NaN-or-+inf position: the same as torch unless 
 a +inf before its first NaN (then torch returns the NaN's index, the kernel the +inf's).
 
 On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
-triton is first imported); `check()` compares with the reference, `bench()` times both.
+triton is first imported). `compile-engine bench kernel argmax` checks it against the
+reference and, on CUDA, times both (benchmarks/kernel_harness.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
-
-from compile_engine.kernels_generated.timing import graph_us
 
 CHUNK = 2048  # 4 KB of bf16 a program: 63 programs a row for Llama-3's vocabulary
 _MAX_CHUNKS = 1024  # stage 2 reads a row's partials in one block
@@ -106,30 +105,3 @@ def argmax_triton(logits: Tensor) -> Tensor:
     block_c = max(triton.next_power_of_2(num_chunks), 2)
     _rows_argmax_kernel[(rows,)](part_val, part_idx, out, NUM_CHUNKS=num_chunks, BLOCK_C=block_c)
     return out
-
-
-def check(rows: int = 3, vocab: int = 5000, device: str = "cpu", dtype=torch.float32) -> None:
-    """Compare with torch.argmax on random rows with planted ties across pieces."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(rows, vocab, generator=g).to(dtype)
-    logits[0, [7, CHUNK + 3]] = 100.0  # a tie across two pieces: the first wins
-    torch.testing.assert_close(argmax_triton(logits.to(device)).cpu(), logits.argmax(dim=-1))
-
-
-def bench(rows: int = 1, vocab: int = 128256, dtype=torch.bfloat16) -> dict:
-    """CUDA-graph microseconds of the kernel and of torch.argmax on one [rows, vocab] batch."""
-    logits = torch.randn(rows, vocab, device="cuda", dtype=dtype)
-    return {
-        "rows": rows,
-        "vocab": vocab,
-        "triton_us": round(graph_us(lambda: argmax_triton(logits)), 2),
-        "torch_us": round(graph_us(lambda: logits.argmax(dim=-1)), 2),
-    }
-
-
-if __name__ == "__main__":
-    check()
-    print("check: equal to torch.argmax")
-    if torch.cuda.is_available():
-        for rows in (1, 64, 256):
-            print(bench(rows))

@@ -26,14 +26,14 @@ x3.0 over Inductor's fusion of the reference.
 
 On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), which computes bf16 wrongly: CPU tensors must be float32 or
-float16. `check()` compares with the reference; `bench()` times it; `tune()` picks configs.
+float16. `compile-engine bench kernel rotary [--tune]` checks, times and tunes it
+(benchmarks/kernel_harness.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 
 import torch
 import triton
@@ -42,20 +42,9 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import (
-    CONFIG_DIR,
-    TARGET_OF_DEVICE,
-    ConfigEntry,
-    ConfigTable,
-    TargetConfigs,
-    bucket_tokens,
-    tuning_provenance,
-)
-from compile_engine.kernels_generated.timing import graph_us, kernel_main
+from compile_engine.kernels_generated.configs import TARGET_OF_DEVICE, bucket_tokens
 from compile_engine.kernels_generated.tuning import KernelConfig
-from compile_engine.models.ops import rotary_fake, rotary_ref
-
-CONFIG_FILE = CONFIG_DIR / "rotary.json"
+from compile_engine.models.ops import rotary_fake
 
 
 class RotaryKernelError(RuntimeError):
@@ -315,132 +304,3 @@ def _rotary_kernel_fake(
     positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, tuning_key: str
 ) -> tuple[Tensor, Tensor]:
     return rotary_fake(positions, q, k, cos_sin_cache)
-
-
-# --------------------------------------------------------------------------- inputs, check, bench
-
-
-def make_inputs(
-    num_tokens: int,
-    num_q_heads: int = 32,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    *,
-    rot_dim: int | None = None,
-    max_positions: int = 4096,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cuda",
-    seed: int = 0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(positions, q, k, cos_sin_cache) as the model hands them over: q and k strided views of
-    one [T, (Hq + 2 Hkv) D] QKV output, random positions, a float32 table of real angles."""
-    from compile_engine.models.rope import cos_sin_table
-
-    rot_dim = head_dim if rot_dim is None else rot_dim
-    gen = torch.Generator(device=device).manual_seed(seed)
-    width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(num_tokens, width, generator=gen, device=device).to(dtype)
-    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
-    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(num_tokens, num_q_heads, head_dim)  # [T, Hq, D], strided
-    k = k.view(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D], strided
-    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=device)
-    rope = {"rope_type": "default", "rope_theta": 500000.0}
-    cache = cos_sin_table(rope, rot_dim, max_positions).to(device)
-    return positions, q, k, cache
-
-
-def moved_bytes(num_tokens: int, num_heads: int, head_dim: int, element_size: int) -> int:
-    """q and k read and written, plus each token's float32 cos/sin row."""
-    return 2 * num_tokens * num_heads * head_dim * element_size + num_tokens * head_dim * 4
-
-
-def check(shapes: tuple[tuple[int, int, int, int], ...] | None = None, dtype=None) -> float:
-    """Compare the op with the reference on this machine's device; return the largest absolute
-    error. CPU: small float32 shapes under the interpreter. CUDA: Llama-3-8B heads in bf16.
-    Exact in every dtype: the kernel rounds where the reference does."""
-    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-    if shapes is None:
-        shapes = ((1, 4, 2, 16), (7, 4, 2, 16)) if device == "cpu" else REAL_SHAPES
-    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    worst = 0.0
-    for num_tokens, hq, hkv, head_dim in shapes:
-        args = make_inputs(num_tokens, hq, hkv, head_dim, dtype=dtype, device=device)
-        got_pair = rotary(*args, tuning.default().key)
-        for got, want in zip(got_pair, rotary_ref(*args), strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-            worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return worst
-
-
-REAL_SHAPES = tuple((t, 32, 8, 128) for t in (1, 64, 256, 2048))
-
-
-def bench(shapes: tuple[tuple[int, int, int, int], ...] = REAL_SHAPES) -> list[dict]:
-    """Microseconds and GB/s of the op against the eager reference, bf16 on CUDA, from CUDA-graph
-    replay. Inductor's fusion of the reference is timed by `bench fusions`."""
-    if not torch.cuda.is_available() or INTERPRETED:
-        raise RotaryKernelError("bench() needs a CUDA device and compiled Triton")
-    rows = []
-    for num_tokens, hq, hkv, head_dim in shapes:
-        args = make_inputs(num_tokens, hq, hkv, head_dim)
-        moved = moved_bytes(num_tokens, hq + hkv, head_dim, 2)
-        row = {"T": num_tokens}
-        for name, fn in (("triton", rotary_triton), ("reference", rotary_ref)):
-            us = graph_us(lambda fn=fn, args=args: fn(*args))
-            row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
-        rows.append(row)
-        print(
-            f"T={num_tokens:5d}  triton {row['triton_us']:7.2f} us {row['triton_gbs']:7.1f} GB/s"
-            f"   reference {row['reference_us']:7.2f} us"
-        )
-    return rows
-
-
-TUNE_CONFIGS = tuple(
-    {"BLOCK_H": h, "num_warps": w} for h in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8) if w <= 2 * h
-)
-
-
-def tune(
-    shapes: tuple[tuple[int, int, int, int], ...] = REAL_SHAPES,
-    target: str = "h100",
-    write: bool = True,
-) -> ConfigTable:
-    """Time the op (bf16) with every config of TUNE_CONFIGS per shape class on this CUDA device
-    and record the fastest, with provenance, under `target` in configs/rotary.json."""
-    if not torch.cuda.is_available() or INTERPRETED:
-        raise RotaryKernelError("tune() needs a CUDA device and compiled Triton")
-    table = ConfigTable.load(CONFIG_FILE)
-    info = tuning_provenance()
-    entries = []
-    for num_tokens, hq, hkv, head_dim in shapes:
-        args = make_inputs(num_tokens, hq, hkv, head_dim)
-        times = []
-        for config in TUNE_CONFIGS:
-            if config["BLOCK_H"] > triton.next_power_of_2(hq):
-                continue
-            us = graph_us(
-                lambda c=config, args=args: rotary_triton(
-                    *args, block_h=c["BLOCK_H"], num_warps=c["num_warps"]
-                )
-            )
-            times.append((us, config))
-        us, best = min(times, key=lambda t: t[0])
-        worst = max(t[0] for t in times)
-        key = shape_key(num_tokens, hq + hkv, head_dim)
-        timing = {"us": round(us, 2), "worst_us": round(worst, 2)}
-        entries.append(ConfigEntry(key, best, {**info, **timing}))
-        print(f"T={num_tokens:5d}: {best} {us:.2f} us (worst {worst:.2f} us)", flush=True)
-    table.targets[target] = TargetConfigs(
-        True, entries, note=f"tuned on {info['device']} by rotary.tune()"
-    )
-    if write:
-        print(f"wrote {table.save()}")
-    tuning.default.cache_clear()  # the next default config reads the new table
-    config_for.cache_clear()
-    return table
-
-
-if __name__ == "__main__":
-    sys.exit(kernel_main(__doc__.splitlines()[0], check, bench, tune))

@@ -16,7 +16,8 @@ Measured on the H200 (`compile-engine bench fusions`, I = 14336, bf16, CUDA-grap
 reference a tie at one token and at 2048, ahead at 64 and 256.
 
 BLOCK and num_warps per target and shape class {I, T bucketed} live in configs/silu_and_mul.json
-(nearest key); `tune()` measures them. On CPU the kernel runs only under the Triton interpreter
+(nearest key); `compile-engine bench kernel silu_and_mul [--tune]` checks, times and tunes the
+kernel (benchmarks/kernel_harness.py). On CPU the kernel runs only under the Triton interpreter
 (`TRITON_INTERPRET=1`), in float32 or float16.
 """
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 
 import torch
 import triton
@@ -33,21 +33,10 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import (
-    CONFIG_DIR,
-    TARGET_OF_DEVICE,
-    ConfigEntry,
-    ConfigTable,
-    TargetConfigs,
-    bucket_tokens,
-    tuning_provenance,
-)
+from compile_engine.kernels_generated.configs import TARGET_OF_DEVICE, bucket_tokens
 from compile_engine.kernels_generated.device import pdl_launch, pdl_on
-from compile_engine.kernels_generated.timing import graph_us, kernel_main
 from compile_engine.kernels_generated.tuning import KernelConfig
-from compile_engine.models.ops import silu_and_mul_fake, silu_and_mul_ref
-
-CONFIG_FILE = CONFIG_DIR / "silu_and_mul.json"
+from compile_engine.models.ops import silu_and_mul_fake
 
 
 class SiluAndMulKernelError(RuntimeError):
@@ -156,96 +145,3 @@ def silu_and_mul(x: Tensor, tuning_key: str) -> Tensor:
 @silu_and_mul.register_fake
 def _silu_and_mul_kernel_fake(x: Tensor, tuning_key: str) -> Tensor:
     return silu_and_mul_fake(x)
-
-
-# --------------------------------------------------------------------------- check, bench, tune
-
-REAL_SHAPES = tuple((t, 14336) for t in (1, 64, 256, 2048))
-
-
-def moved_bytes(num_tokens: int, inter: int, element_size: int) -> int:
-    return 3 * num_tokens * inter * element_size  # read 2I, write I per token
-
-
-def check(shapes: tuple[tuple[int, int], ...] | None = None, dtype=None) -> float:
-    """Compare the op with the reference on this machine's device; return the largest absolute
-    error. CPU: small float32 shapes under the interpreter; CUDA: Llama-3-8B's I in bf16."""
-    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-    shapes = shapes or (((1, 8), (5, 40), (3, 600)) if device == "cpu" else REAL_SHAPES)
-    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    worst = 0.0
-    for num_tokens, inter in shapes:
-        x = torch.randn(num_tokens, 2 * inter, device=device, generator=gen).to(dtype)
-        got, want = silu_and_mul(x, tuning.default().key), silu_and_mul_ref(x)
-        torch.testing.assert_close(got, want)  # torch's per-dtype defaults: a few ulps
-        worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return worst
-
-
-def bench(shapes: tuple[tuple[int, int], ...] = REAL_SHAPES) -> list[dict]:
-    """Microseconds and GB/s of the op against the eager reference, bf16 on CUDA, from CUDA-graph
-    replay. Inductor's fusion of the reference is timed by `bench fusions`."""
-    if not torch.cuda.is_available() or INTERPRETED:
-        raise SiluAndMulKernelError("bench() needs a CUDA device and compiled Triton")
-    rows = []
-    for num_tokens, inter in shapes:
-        x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
-        moved = moved_bytes(num_tokens, inter, 2)
-        row = {"T": num_tokens, "I": inter}
-        for name, fn in (("triton", silu_and_mul_triton), ("reference", silu_and_mul_ref)):
-            us = graph_us(lambda fn=fn, x=x: fn(x))
-            row[f"{name}_us"], row[f"{name}_gbs"] = round(us, 2), round(moved / us / 1e3, 1)
-        rows.append(row)
-        print(
-            f"T={num_tokens:5d} I={inter}  triton {row['triton_us']:7.2f} us "
-            f"{row['triton_gbs']:7.1f} GB/s   reference {row['reference_us']:7.2f} us"
-        )
-    return rows
-
-
-TUNE_CONFIGS = tuple(
-    {"BLOCK": b, "num_warps": w} for b in (256, 512, 1024, 2048, 4096) for w in (2, 4, 8)
-)
-
-
-def tune(
-    shapes: tuple[tuple[int, int], ...] = REAL_SHAPES, target: str = "h100", write: bool = True
-) -> ConfigTable:
-    """Time the op (bf16) with every config of TUNE_CONFIGS per shape class on this CUDA device
-    and record the fastest, with provenance, under `target` in configs/silu_and_mul.json."""
-    if not torch.cuda.is_available() or INTERPRETED:
-        raise SiluAndMulKernelError("tune() needs a CUDA device and compiled Triton")
-    table = ConfigTable.load(CONFIG_FILE)
-    info = tuning_provenance()
-    entries = []
-    for num_tokens, inter in shapes:
-        x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
-        times = []
-        for c in TUNE_CONFIGS:
-            run = functools.partial(
-                silu_and_mul_triton, x, block=c["BLOCK"], num_warps=c["num_warps"]
-            )
-            times.append((graph_us(run), c))
-        us, best = min(times, key=lambda t: t[0])
-        worst = max(t[0] for t in times)
-        entries.append(
-            ConfigEntry(
-                shape_key(num_tokens, inter),
-                best,
-                {**info, "us": round(us, 2), "worst_us": round(worst, 2)},
-            )
-        )
-        print(f"T={num_tokens:5d} I={inter}: {best} {us:.2f} us (worst {worst:.2f})", flush=True)
-    table.targets[target] = TargetConfigs(
-        True, entries, note=f"tuned on {info['device']} by silu_and_mul.tune()"
-    )
-    if write:
-        print(f"wrote {table.save()}")
-    tuning.default.cache_clear()  # the next default config reads the new table
-    config_for.cache_clear()
-    return table
-
-
-if __name__ == "__main__":
-    sys.exit(kernel_main(__doc__.splitlines()[0], check, bench, tune))

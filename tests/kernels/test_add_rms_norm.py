@@ -5,7 +5,8 @@ TRITON_INTERPRET=1 is read when triton is first imported and would leak into eve
 of this process, so the CPU cases (marked interpreted_child) run in one child pytest, with
 those of test_rotary.py and test_silu_and_mul_triton.py, started by
 test_triton_fusions_interpreted.py; this process checks what needs no kernel launch: the fake,
-the errors, the configs file. GPU cases: bf16 at Llama-3-8B and Qwen3 q/k-norm shapes.
+the errors, the configs file. GPU cases: bf16 at Llama-3-8B and Qwen3 q/k-norm shapes. The
+check at the spec's shapes goes through the shared harness (benchmarks/kernel_harness.py).
 `TRITON_INTERPRET=1 pytest tests/kernels/test_add_rms_norm.py` runs the CPU cases directly."""
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile_engine.benchmarks.kernel_harness import check
+from compile_engine.benchmarks.kernel_specs import norm_tolerance, spec_of
 from compile_engine.kernels_generated import add_rms_norm as k
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.configs import CONFIG_DIR, ConfigTable
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import add_rms_norm_ref, rms_norm_ref
 
@@ -46,7 +49,7 @@ def _inputs(num_rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-H{s[1]}")
 def test_interpreted_matches_reference(shape, dtype):
     x, r, w = _inputs(*shape, dtype)
-    tol = k.tolerance(dtype)
+    tol = norm_tolerance(dtype)
     torch.testing.assert_close(k.rms_norm(x, w, 1e-5, KEY), rms_norm_ref(x, w, 1e-5), **tol)
     got_norm, got_sum = k.add_rms_norm(x, r, w, 1e-6, KEY)
     want_norm, want_sum = add_rms_norm_ref(x, r, w, 1e-6)
@@ -62,14 +65,14 @@ def test_interpreted_strided_3d_rows():
     w = torch.randn(24, generator=torch.Generator().manual_seed(4))
     out = k.rms_norm(q, w, 1e-6, KEY)
     assert out.shape == q.shape and out.stride() == torch.empty_like(q).stride()
-    torch.testing.assert_close(out, rms_norm_ref(q, w, 1e-6), **k.tolerance(torch.float32))
+    torch.testing.assert_close(out, rms_norm_ref(q, w, 1e-6), **norm_tolerance(torch.float32))
 
 
 @interpreted
 def test_interpreted_empty_and_check():
     x, r, w = _inputs(0, 64, torch.float32)
     assert k.add_rms_norm(x, r, w, 1e-5, KEY)[0].shape == (0, 64)
-    assert k.check() < 1e-5
+    assert check(spec_of("add_rms_norm")) < 1e-5  # both ops at the spec's CPU shapes
 
 
 @interpreted
@@ -83,7 +86,7 @@ def test_interpreted_opaque_under_torch_compile():
     for num_rows in (3, 9):
         x, r, w = _inputs(num_rows, 32, torch.float32)
         got, want = fn(x, r, w), add_rms_norm_ref(x, r, w, 1e-5)
-        torch.testing.assert_close(got[0], want[0] * 2, **k.tolerance(torch.float32))
+        torch.testing.assert_close(got[0], want[0] * 2, **norm_tolerance(torch.float32))
         torch.testing.assert_close(got[1], want[1])
 
 
@@ -112,18 +115,19 @@ def test_errors_say_what_to_do():
 
 
 def test_shipped_configs_file():
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "add_rms_norm.json")
     assert table.kernel == "add_rms_norm" and table.key_names == ("H", "T")
+    candidates = spec_of("add_rms_norm").candidates
     for target in ("h100", "cpu"):
         section = table.targets[target]
-        assert section.tuned == bool(section.entries)  # entries come only from tune()
+        assert section.tuned == bool(section.entries)  # entries come only from tuning
         for entry in section.entries:
-            assert entry.config["num_warps"] in k.TUNE_WARPS
+            assert entry.config in candidates((entry.key["T"], entry.key["H"]))
 
 
 def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
     # A table named in KernelConfig.tables is the one the launcher looks its config up in.
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "add_rms_norm.json")
     table.targets["cpu"].entries.clear()
     table.default = {"num_warps": 2}
     config = KernelConfig(tables={"add_rms_norm": str(table.save(tmp_path / "t.json"))})
@@ -138,7 +142,7 @@ def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_real_shapes_bf16():
-    k.check()  # Llama-3-8B hidden 4096 at T = 1, 64, 256, 2048, both ops, one bf16 ulp
+    check(spec_of("add_rms_norm"))  # hidden 4096 at T = 1, 64, 256, 2048, both ops, one bf16 ulp
 
 
 @pytest.mark.gpu
@@ -148,5 +152,5 @@ def test_gpu_qk_norm_rows_bf16():
     q = qkv[:, : 32 * 128].view(300, 32, 128)  # [T, Hq, D] strided, as Qwen3 normalises it
     w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(
-        k.rms_norm(q, w, 1e-6, KEY), rms_norm_ref(q, w, 1e-6), **k.tolerance(torch.bfloat16)
+        k.rms_norm(q, w, 1e-6, KEY), rms_norm_ref(q, w, 1e-6), **norm_tolerance(torch.bfloat16)
     )

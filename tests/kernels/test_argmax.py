@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile_engine.benchmarks.kernel_harness import check
+from compile_engine.benchmarks.kernel_specs import spec_of
 from compile_engine.kernels_generated import argmax as k
 
 interpreted = pytest.mark.interpreted_child("TRITON_INTERPRET")
@@ -38,6 +40,11 @@ def test_interpreted_ties_take_the_first_index_across_and_within_pieces():
     # row 2: all equal, index 0
     assert k.argmax_triton(logits).tolist() == [11, 20, 0]
     assert logits.argmax(dim=-1).tolist() == [11, 20, 0]
+
+
+@interpreted
+def test_interpreted_check_through_the_harness():
+    assert check(spec_of("argmax")) == 0  # a tie planted across pieces: the first index wins
 
 
 @interpreted

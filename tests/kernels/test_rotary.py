@@ -2,17 +2,19 @@
 reference does.
 
 The CPU cases run in the TRITON_INTERPRET=1 child that test_triton_fusions_interpreted.py
-starts (see test_add_rms_norm.py for why); GPU cases: bf16 at Llama-3-8B heads, and CUDA-graph
-replay."""
+starts (see test_add_rms_norm.py for why); GPU cases: bf16 at Llama-3-8B heads (the shared
+harness's check, benchmarks/kernel_harness.py), and CUDA-graph replay."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from compile_engine.benchmarks.kernel_harness import check
+from compile_engine.benchmarks.kernel_specs import rotary_inputs, spec_of
 from compile_engine.kernels_generated import rotary as k
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.configs import CONFIG_DIR, ConfigTable
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import rotary_ref
 
@@ -36,7 +38,7 @@ KEY = tuning.default().key  # the op's last argument: the kernel config the pass
 
 def _inputs(case: str, dtype: torch.dtype, seed: int = 0):
     num_tokens, hq, hkv, head_dim, rot_dim = CASES[case]
-    return k.make_inputs(
+    return rotary_inputs(
         num_tokens, hq, hkv, head_dim, rot_dim=rot_dim, max_positions=64, dtype=dtype,
         device="cpu", seed=seed,
     )  # fmt: skip
@@ -66,7 +68,7 @@ def test_interpreted_contiguous_inputs_and_op():
     positions, q, k_, cache = _inputs("gqa", torch.float32, seed=1)
     args = (positions, q.contiguous(), k_.contiguous(), cache)
     _assert_exact(torch.ops.ce_kernels.rotary(*args, KEY), rotary_ref(*args))
-    assert k.check() == 0.0
+    assert check(spec_of("rotary")) == 0.0
 
 
 @interpreted
@@ -97,18 +99,21 @@ def test_rejects_bad_cache():
 
 
 def test_shipped_configs_file():
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "rotary.json")
     assert table.kernel == "rotary" and table.key_names == ("HEADS", "D", "T")
+    candidates = spec_of("rotary").candidates
     for target in ("h100", "cpu"):
         section = table.targets[target]
-        assert section.tuned == bool(section.entries)  # entries come only from tune()
+        assert section.tuned == bool(section.entries)  # entries come only from tuning
         for entry in section.entries:
-            assert entry.config in k.TUNE_CONFIGS
+            # The shipped entries are Llama-3-8B's: HEADS 40 = 32 q heads + 8 k heads.
+            key = entry.key
+            assert entry.config in candidates((key["T"], key["HEADS"] - 8, 8, key["D"]))
 
 
 def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
     # A table named in KernelConfig.tables is the one the launcher looks its config up in.
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "rotary.json")
     table.targets["cpu"].entries.clear()
     table.default = {"BLOCK_H": 1, "num_warps": 1}
     config = KernelConfig(tables={"rotary": str(table.save(tmp_path / "t.json"))})
@@ -123,15 +128,15 @@ def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_real_shapes_bf16():
-    assert k.check() == 0.0  # Llama-3-8B heads (32 / 8, D 128), T = 1, 64, 256, 2048: exact
+    assert check(spec_of("rotary")) == 0.0  # Llama-3-8B heads (32 / 8, D 128), T = 1-2048: exact
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_cuda_graph_replay():
     # Captured once, replayed on new positions and activations: nothing value-dependent baked in.
-    static = k.make_inputs(64, seed=1)
-    fresh = k.make_inputs(64, seed=2)
+    static = rotary_inputs(64, seed=1)
+    fresh = rotary_inputs(64, seed=2)
     k.rotary(*static, KEY)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

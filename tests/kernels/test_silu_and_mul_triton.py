@@ -2,16 +2,18 @@
 
 The CPU cases run in the TRITON_INTERPRET=1 child that test_triton_fusions_interpreted.py
 starts (see test_add_rms_norm.py for why); the GPU case: bf16 at Llama-3-8B's intermediate
-size."""
+size, through the shared harness (benchmarks/kernel_harness.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from compile_engine.benchmarks.kernel_harness import check
+from compile_engine.benchmarks.kernel_specs import spec_of
 from compile_engine.kernels_generated import silu_and_mul as k
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import ConfigTable
+from compile_engine.kernels_generated.configs import CONFIG_DIR, ConfigTable
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import silu_and_mul_ref
 
@@ -38,22 +40,23 @@ def test_interpreted_op_any_leading_dims_and_check():
     out = torch.ops.ce_kernels.silu_and_mul(x, tuning.default().key)
     assert out.shape == (2, 3, 16)
     torch.testing.assert_close(out, silu_and_mul_ref(x))
-    assert k.check() < 1e-5
+    assert check(spec_of("silu_and_mul")) < 1e-5
 
 
 def test_shipped_configs_file():
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "silu_and_mul.json")
     assert table.kernel == "silu_and_mul" and table.key_names == ("I", "T")
+    candidates = spec_of("silu_and_mul").candidates
     for target in ("h100", "cpu"):
         section = table.targets[target]
-        assert section.tuned == bool(section.entries)  # entries come only from tune()
+        assert section.tuned == bool(section.entries)  # entries come only from tuning
         for entry in section.entries:
-            assert entry.config in k.TUNE_CONFIGS
+            assert entry.config in candidates((entry.key["T"], entry.key["I"]))
 
 
 def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
     # A table named in KernelConfig.tables is the one the launcher looks its config up in.
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "silu_and_mul.json")
     table.targets["cpu"].entries.clear()
     table.default = {"BLOCK": 16, "num_warps": 1}
     config = KernelConfig(tables={"silu_and_mul": str(table.save(tmp_path / "t.json"))})
@@ -65,4 +68,4 @@ def test_launch_config_comes_from_the_kernel_configs_table(tmp_path):
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_real_shapes_bf16():
-    k.check()  # I = 14336 at T = 1, 64, 256, 2048, bf16
+    check(spec_of("silu_and_mul"))  # I = 14336 at T = 1, 64, 256, 2048, bf16
