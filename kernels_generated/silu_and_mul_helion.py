@@ -21,14 +21,14 @@ Running it:
   is imported) the kernel body runs eagerly in PyTorch, which is how CI checks it. The Triton
   source for any config is available without a GPU: `emit_triton(config)`.
 
-`check()` compares with the reference, `bench()` times it against the reference on a GPU;
-`python -m compile_engine.kernels_generated.silu_and_mul_helion` runs both.
+`compile-engine bench kernel silu_and_mul_helion` checks the op against the reference and, on
+a GPU, times both; `--tune` runs Helion's autotuner per shape class and writes the table
+(benchmarks/kernel_harness.py).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import helion
 import helion.language as hl
@@ -36,11 +36,9 @@ import torch
 from torch import Tensor
 
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE, bucket_tokens
+from compile_engine.kernels_generated.configs import TARGET_OF_DEVICE, bucket_tokens
 from compile_engine.kernels_generated.tuning import KernelConfig
-from compile_engine.models.ops import silu_and_mul_ref
 
-CONFIG_FILE = CONFIG_DIR / "silu_and_mul_helion.json"
 # The only GPU target: a CUDA device is taken to be an H100/H200 (sm_90).
 
 
@@ -129,67 +127,3 @@ def emit_triton(
     if not isinstance(config, helion.Config):
         config = helion.Config(**config)
     return silu_and_mul_kernel.bind((gate, up)).to_triton_code(config)
-
-
-def check(
-    shapes: tuple[tuple[int, int], ...] | None = None, dtype: torch.dtype | None = None
-) -> float:
-    """Compare the custom op with the reference on this machine's device; return the largest
-    absolute error. CPU: small float32 shapes under HELION_INTERPRET=1. CUDA: real shapes in
-    bf16 (Llama-3-8B's I = 14336, SmolLM2's 1536). Tolerances are torch's defaults per dtype."""
-    device = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
-    if device == "cpu" and not interpreted():
-        raise KernelUnavailableError("check() on CPU needs HELION_INTERPRET=1 set at import")
-    if shapes is None:
-        shapes = ((1, 8), (5, 40), (33, 24)) if device == "cpu" else _REAL_SHAPES
-    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    worst = 0.0
-    gen = torch.Generator(device=device).manual_seed(0)
-    for num_tokens, inter in shapes:
-        x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=device, generator=gen)
-        got, want = silu_and_mul_helion(x, tuning.default().key), silu_and_mul_ref(x)
-        # Same roundings as the reference; only exp's last float32 bit may differ between
-        # Triton's libdevice and ATen, which can move a result by one ulp of `dtype`.
-        where = f"T={num_tokens}, I={inter}"
-        torch.testing.assert_close(got, want, msg=lambda m, where=where: f"{where}: {m}")
-        if got.numel():
-            worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return worst
-
-
-_REAL_SHAPES = tuple((t, i) for i in (14336, 1536) for t in (1, 64, 256, 2048))
-
-
-def bench(shapes: tuple[tuple[int, int], ...] = _REAL_SHAPES) -> list[dict]:
-    """Microseconds and GB/s of the Helion op and of the eager reference, bf16 on CUDA.
-
-    This does not decide whether the pass should be on: Inductor fuses the reference into one
-    loop too, and only the end-to-end latency benchmark with and without the pass does."""
-    if not torch.cuda.is_available() or interpreted():
-        raise KernelUnavailableError("bench() needs a CUDA device and compiled Helion")
-    from triton.testing import do_bench
-
-    rows = []
-    for num_tokens, inter in shapes:
-        x = torch.randn(num_tokens, 2 * inter, dtype=torch.bfloat16, device="cuda")
-        moved = 3 * num_tokens * inter * x.element_size()  # read 2I, write I per token
-        row = {"T": num_tokens, "I": inter}
-        helion_fn = functools.partial(silu_and_mul_helion, tuning_key=tuning.default().key)
-        for name, fn in (("helion", helion_fn), ("reference", silu_and_mul_ref)):
-            ms = do_bench(lambda fn=fn, x=x: fn(x))
-            row[f"{name}_us"] = round(ms * 1e3, 2)
-            row[f"{name}_gbs"] = round(moved / (ms * 1e-3) / 1e9, 1)
-        rows.append(row)
-        print(
-            f"T={num_tokens:5d} I={inter:6d}  helion {row['helion_us']:8.2f} us "
-            f"{row['helion_gbs']:7.1f} GB/s   reference {row['reference_us']:8.2f} us "
-            f"{row['reference_gbs']:7.1f} GB/s"
-        )
-    return rows
-
-
-if __name__ == "__main__":
-    start = time.perf_counter()
-    print(f"check: max abs error {check()} ({time.perf_counter() - start:.1f} s)")
-    if torch.cuda.is_available() and not interpreted():
-        bench()

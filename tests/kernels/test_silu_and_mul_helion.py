@@ -4,7 +4,8 @@ configs file and the Triton source it generates.
 HELION_INTERPRET=1 is read when the kernel is defined (at import) and would leak into every
 later test of this process, so the eager CPU cases run in a child pytest that has it from its
 start (`test_interpreted_cases_in_subprocess`); this process checks what needs compiled mode
-off a GPU: the Triton source (golden), the fake, the config lookup."""
+off a GPU: the Triton source (golden), the fake, the config lookup. The check at the spec's
+shapes goes through the shared harness (benchmarks/kernel_harness.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import logging
 import pytest
 import torch
 
+from compile_engine.benchmarks.kernel_harness import check
+from compile_engine.benchmarks.kernel_specs import spec_of
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import (
+    CONFIG_DIR,
     ConfigEntry,
     ConfigTable,
     TargetConfigs,
@@ -65,7 +69,7 @@ def test_interpreted_custom_op_any_leading_dims():
 
 @interpreted
 def test_interpreted_check():
-    assert k.check() == 0.0
+    assert check(spec_of("silu_and_mul_helion")) == 0.0
 
 
 @interpreted
@@ -126,19 +130,20 @@ def test_fake_gives_output_shape():
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_real_shapes_bf16():
-    k.check()  # I = 14336 and 1536, T = 1, 64, 256, 2048, bf16
+    check(spec_of("silu_and_mul_helion"))  # I = 14336 and 1536, T = 1, 64, 256, 2048, bf16
 
 
 # --------------------------------------------------------------------------- configs
 
 
 def test_shipped_configs_file():
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "silu_and_mul_helion.json")
     assert table.kernel == "silu_and_mul_helion" and table.key_names == ("I", "T")
     helion.Config(**table.default)  # the default is a valid Helion config
     for target in ("h100", "cpu"):
         section = table.targets[target]
-        # Entries are written only by tune_silu_and_mul_helion, which marks the target tuned.
+        # Entries are written only by `bench kernel silu_and_mul_helion --tune`, which marks
+        # the target tuned.
         assert section.tuned == bool(section.entries)
 
 
@@ -146,7 +151,7 @@ def test_config_comes_from_the_kernel_configs_table(tmp_path):
     # A table named in KernelConfig.tables is the one the launcher looks its tiles up in.
     from compile_engine.kernels_generated.tuning import KernelConfig
 
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "silu_and_mul_helion.json")
     table.targets["h100"].entries.clear()
     table.default = {"block_sizes": [2, 64], "num_warps": 2}
     config = KernelConfig(tables={"silu_and_mul_helion": str(table.save(tmp_path / "t.json"))})
@@ -156,7 +161,7 @@ def test_config_comes_from_the_kernel_configs_table(tmp_path):
 
 
 def test_missing_target_config_falls_back_and_logs_once(caplog):
-    table = ConfigTable.load(k.CONFIG_FILE)
+    table = ConfigTable.load(CONFIG_DIR / "silu_and_mul_helion.json")
     table.targets.pop("cpu")
     with caplog.at_level(logging.WARNING, logger="compile_engine.kernels_generated.configs"):
         for num_tokens in (1, 7, 300):
