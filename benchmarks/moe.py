@@ -5,8 +5,10 @@ Two parts, both on CUDA:
 - **kernel**: the routed experts of one layer (align + two grouped GEMMs + combine,
   kernels_generated/moe_grouped_gemm.py, CUDA-graph replay) against transformers' eager
   per-expert loop (a gather, two GEMMs and an index_add per expert hit, after a host
-  synchronisation to find them) at T = 1, 64, 256, 2048 tokens. Reported with the bytes of the
-  experts the routing touches per call (each read once at best) and the achieved bandwidth.
+  synchronisation to find them; `per_expert_loop` of benchmarks/kernel_specs.py) at T = 1,
+  64, 256, 2048 tokens. Reported with the bytes of the experts the routing touches per call
+  (each read once at best) and the achieved bandwidth. Its tiles are tuned by `compile-engine
+  bench kernel moe_grouped_gemm --tune`.
 - **decode**: a Qwen3-30B-A3B-shaped random model (hidden 2048, 48 layers, 128 experts of width
   768, top-8, 32 heads, 4 KV heads, vocab 151936) built in GPU memory (61 GB in bf16: the GPU
   machine's 64 GB disk cannot hold its safetensors), served by the engine (compiled, CUDA
@@ -22,6 +24,7 @@ Two parts, both on CUDA:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -68,6 +71,8 @@ def expected_busy_experts(num_experts: int, top_k: int, num_tokens: int) -> floa
 
 
 def bench_kernel(shapes: list[tuple[int, int, int, int]], token_counts: list[int]) -> list[dict]:
+    from compile_engine.benchmarks import kernel_specs as specs
+    from compile_engine.benchmarks.timing import event_seconds
     from compile_engine.kernels_generated import moe_grouped_gemm as mk
     from compile_engine.kernels_generated import tuning
 
@@ -75,11 +80,17 @@ def bench_kernel(shapes: list[tuple[int, int, int, int]], token_counts: list[int
     for num_experts, hidden, inter, top_k in shapes:
         expert_bytes = 3 * hidden * inter * 2  # w13 + w2 of one expert, bf16
         for num_tokens in token_counts:
-            inputs = mk.make_inputs(num_tokens, num_experts, hidden, inter, top_k,
-                                    dtype=torch.bfloat16, device="cuda")  # fmt: skip
-            check = mk.check(inputs, rtol=3e-2)  # ~2 bf16 ulps of the largest output
-            fused = mk.bench(mk.fused_experts, inputs, cuda_graph=True)
-            loop = mk.bench(mk.per_expert_loop, inputs, iters=10)
+            inputs = specs.moe_inputs(num_tokens, num_experts, hidden, inter, top_k,
+                                      dtype=torch.bfloat16, device="cuda")  # fmt: skip
+            got, want = mk.fused_experts(*inputs), mk.fused_experts_ref(*inputs)
+            check = specs.moe_errors(got, want, rtol=3e-2)  # ~2 bf16 ulps of the largest output
+            # Median seconds a call, events around 5 back-to-back calls; the fused kernel
+            # replayed from a CUDA graph (as the engine runs decode), the loop eagerly (it
+            # synchronises the host to find the experts hit).
+            fused = event_seconds(functools.partial(mk.fused_experts, *inputs), cuda_graph=True,
+                                  inner=5)  # fmt: skip
+            loop = event_seconds(functools.partial(specs.per_expert_loop, *inputs), iters=10,
+                                 inner=5)  # fmt: skip
             busy = int(torch.unique(inputs[4]).numel())
             flops = 2 * num_tokens * top_k * 3 * hidden * inter
             # The tiles fused_experts ran with: the default kernel config's table.

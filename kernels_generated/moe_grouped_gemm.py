@@ -23,16 +23,16 @@ tile before moving on, so consecutive programs of one expert find its weights in
 
 Tiles (BLOCK_M shared by both GEMMs, since it fixes the alignment; BLOCK_N, BLOCK_K, GROUP_M,
 warps, stages per GEMM) live in configs/moe_grouped_gemm.json keyed by experts E, hidden H,
-expert width I and slots M = T*K (nearest key, log2 distance). On CPU the kernels run only
-under the Triton interpreter (TRITON_INTERPRET=1 before triton is imported), which computes
-bf16 wrongly: there tiles are cast to float32 after loading, and CPU callers use fp32/fp16.
+expert width I and slots M = T*K (nearest key, log2 distance); `compile-engine bench kernel
+moe_grouped_gemm [--tune]` checks, times and tunes them (benchmarks/kernel_harness.py). On CPU
+the kernels run only under the Triton interpreter (TRITON_INTERPRET=1 before triton is
+imported), which computes bf16 wrongly: there tiles are cast to float32 after loading, and CPU
+callers use fp32/fp16.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import time
 
 import torch
 import triton
@@ -41,8 +41,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.configs import CONFIG_DIR, TARGET_OF_DEVICE
-from compile_engine.kernels_generated.timing import event_seconds
+from compile_engine.kernels_generated.configs import TARGET_OF_DEVICE
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.moe import (
     align_capacity,
@@ -52,7 +51,6 @@ from compile_engine.models.moe import (
 )
 from compile_engine.models.ops import silu_and_mul_ref
 
-CONFIG_FILE = CONFIG_DIR / "moe_grouped_gemm.json"
 _ALIGN_CHUNK = 64
 # One align program walks the slots in chunks of 64 with a [64, E] comparison each: at a few
 # microseconds per chunk it stays below the GEMMs' time up to here; beyond, the torch reference
@@ -389,122 +387,3 @@ def _(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, tuning_key: str
 ) -> Tensor:
     return x.new_empty((topk_ids.shape[0], w2.shape[1]))
-
-
-# --------------------------------------------------------------------------- inputs, check, bench
-
-
-def make_inputs(
-    num_tokens: int,
-    num_experts: int,
-    hidden: int,
-    inter: int,
-    top_k: int,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Random (x, w13, w2, topk_weights, topk_ids) with softmax-top-K routing, scaled so that
-    outputs are O(1) in any dtype."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
-
-    x = randn(num_tokens, hidden)
-    w13 = randn(num_experts, 2 * inter, hidden, scale=hidden**-0.5)
-    w2 = randn(num_experts, hidden, inter, scale=inter**-0.5)
-    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
-    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
-    return x, w13, w2, weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
-
-
-def check(
-    inputs: tuple, *, config: dict | None = None, atol: float | None = None,
-    rtol: float | None = None,
-) -> dict:  # fmt: skip
-    """Kernel vs the reference chain; AssertionError past atol (absolute) or, when given, past
-    rtol times the largest reference value (bf16 at real widths). Returns the errors and the
-    cosine similarity."""
-    x = inputs[0]
-    got = fused_experts(*inputs, config=config)
-    want = fused_experts_ref(*inputs)
-    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
-    scale = want.float().abs().max().item() if want.numel() else 0.0
-    cos = torch.nn.functional.cosine_similarity(
-        got.float().flatten(), want.float().flatten(), dim=0
-    ).item()
-    if rtol is not None:
-        atol = rtol * scale
-    elif atol is None:
-        atol = {torch.float32: 1e-4, torch.float16: 5e-3}.get(x.dtype, 3e-2)
-    if err > atol:
-        raise AssertionError(f"max abs error {err:.3g} > {atol:.3g} (cosine {cos:.6f})")
-    return {"max_abs_err": err, "max_rel_err": err / scale if scale else 0.0, "cosine": cos}
-
-
-def per_expert_loop(
-    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
-) -> Tensor:
-    """The baseline the kernel is measured against: transformers' eager experts loop (one
-    gather, two GEMMs and an index_add per expert hit; a host synchronisation to find them)."""
-    out = torch.zeros_like(x)
-    hit = torch.zeros(w13.shape[0], dtype=torch.bool, device=x.device)
-    hit[topk_ids.flatten().long()] = True
-    for expert in hit.nonzero().flatten().tolist():
-        token, k = torch.where(topk_ids == expert)
-        gate, up = (x[token] @ w13[expert].t()).chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ w2[expert].t()
-        out.index_add_(0, token, (y * topk_weights[token, k, None]).to(x.dtype))
-    return out
-
-
-def bench(fn, inputs: tuple, *, warmup: int = 3, iters: int = 20, cuda_graph: bool = False):
-    """Median seconds per call of fn(*inputs) on CUDA (events around 5 back-to-back calls);
-    cuda_graph=True replays one captured call, as the engine runs decode."""
-    call = functools.partial(fn, *inputs)
-    return event_seconds(call, cuda_graph=cuda_graph, warmup=warmup, iters=iters, inner=5)
-
-
-def tune(
-    num_experts: int,
-    hidden: int,
-    inter: int,
-    top_k: int,
-    token_counts: list[int],
-    candidates: list[dict],
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-) -> list[dict]:
-    """Best candidate config per token count on the current CUDA device (CUDA-graph replay
-    timing); returns config-file entries with provenance."""
-    entries = []
-    for num_tokens in token_counts:
-        inputs = make_inputs(num_tokens, num_experts, hidden, inter, top_k, dtype=dtype,
-                             device="cuda")  # fmt: skip
-        best = None
-        for config in candidates:
-            try:
-                seconds = bench(
-                    functools.partial(fused_experts, config=config), inputs, iters=10,
-                    cuda_graph=True,
-                )  # fmt: skip
-            except (triton.runtime.errors.OutOfResources, RuntimeError):
-                continue
-            if best is None or seconds < best[0]:
-                best = (seconds, config)
-        if best is None:
-            continue
-        entries.append(
-            {
-                "key": shape_key(num_experts, hidden, inter, num_tokens * top_k),
-                "config": best[1],
-                "ms": round(best[0] * 1e3, 4),
-                "device": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-                "triton": triton.__version__,
-                "tuned_at": time.strftime("%Y-%m-%d"),
-            }
-        )
-    return entries
