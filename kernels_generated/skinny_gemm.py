@@ -59,7 +59,9 @@ here yet. Splits helped only the K = 14336 and M = 32 cells, by a few percent.
 
 On CPU the kernel runs only under the Triton interpreter (`TRITON_INTERPRET=1` set before
 triton is first imported), float32/float16 only (the interpreter computes bf16 wrongly).
-`check()` compares with the reference; `compile-engine bench gemm` times it against cuBLAS.
+`compile-engine bench kernel skinny_gemm` checks every inner product against the reference
+and times the tuned choice; `compile-engine bench gemm` sweeps its configs against cuBLAS with
+the weight streamed from HBM, and writes the table (`bench kernel skinny_gemm --tune` runs it).
 """
 
 from __future__ import annotations
@@ -67,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -738,39 +739,3 @@ def add_rms_norm_linear_ref(
     normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
     out = linear_ref(normed, w)
     return (silu_and_mul_ref(out) if gated else out), summed
-
-
-# --------------------------------------------------------------------------- check
-
-
-def check(dtype: torch.dtype | None = None) -> float:
-    """Compare every mode (and a split) with the reference on this machine's device; return
-    the largest error relative to the output's magnitude. CPU: tiny shapes, interpreter."""
-    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    shapes = ((1, 48, 80), (5, 40, 96)) if device == "cpu" else ((1, 6144, 4096), (64, 4096, 14336))
-    gen = torch.Generator(device=device).manual_seed(0)
-    worst = 0.0
-    for rows, n_size, k_size in shapes:
-        x = torch.randn(rows, k_size, generator=gen, device=device).to(dtype)
-        w = torch.randn(n_size, k_size, generator=gen, device=device).to(dtype) / k_size**0.5
-        want = linear_ref(x.float(), w.float())
-        small = device == "cpu"
-        for mode, split in (("swap", 1), ("swap", 3), ("dot", 2), ("fma", 1)):
-            got = skinny_gemm(
-                x,
-                w,
-                mode=mode,
-                block_m=16,
-                block_n=16 if small else 64,
-                block_k=16 if small else 128,
-                split_k=split,
-            )
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            worst = max(worst, err)
-    return worst
-
-
-if __name__ == "__main__":
-    print(f"check: max relative error {check()}")
-    sys.exit(0)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from compile_engine.benchmarks.kernel_harness import check
+from compile_engine.benchmarks.kernel_specs import spec_of
 from compile_engine.kernels_generated import skinny_gemm as k
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import ConfigEntry, ConfigTable, TargetConfigs
@@ -223,6 +225,13 @@ def test_interpreted_fused_norm_matches_reference(name, gated, rows, n_size, k_s
     torch.testing.assert_close(
         got.float(), want.float(), rtol=0, atol=(1e-5 if dtype == torch.float32 else 4e-3)
     )
+
+
+@interpreted
+def test_interpreted_check_of_every_inner_product_through_the_harness():
+    # The spec's check: the tuned choice (here F.linear: no entry for these weights) and every
+    # MODE, a split that divides K's tiles and one that does not, relative to the output.
+    assert check(spec_of("skinny_gemm")) < 1e-5
 
 
 @interpreted
