@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
-from compile_engine.kernels_generated.timing import captured, warm_up
+from compile_engine.benchmarks.timing import captured, warm_up
 
 TARGET_OUTPUT_TOK_S = 12_500.0
 # Llama-3-8B.

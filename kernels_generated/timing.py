@@ -1,10 +1,7 @@
-"""Timing for the kernel files' bench() and tune() and for `bench fusions`: CUDA-graph replay.
-
-A fusion kernel runs for microseconds, less than one Python launch of a custom op, so eager
-timing measures the host. The engine replays whole-model CUDA graphs, so a kernel is timed the
-same way: `fn` captured many times back to back in one graph, the graph replayed, the median
-per call kept. Inputs stay the same across calls, so anything under the L2 size (60 MB on the
-H200) is read from L2, as a layer's activations mostly are in the model too.
+"""CUDA-graph replay timing, as benchmarks/timing.py has it: the copy that the attention
+kernels' benchmarks (benchmarks/paged_attention.py, benchmarks/mla.py) still import. It goes
+once they import compile_engine.benchmarks.timing, as all new code does: timing is
+measurement, which lives in benchmarks/, not beside the kernels.
 """
 
 from __future__ import annotations
@@ -78,30 +75,3 @@ def event_seconds(
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / inner)
     return sorted(times)[len(times) // 2]
-
-
-def kernel_main(
-    description: str,
-    check: Callable[[], float],
-    bench: Callable[[], object],
-    tune: Callable[[], object],
-    argv: list[str] | None = None,
-) -> int:
-    """`python -m compile_engine.kernels_generated.<kernel> [--tune]` for a Triton fusion kernel:
-    check against the reference (and bench on a GPU), or tune its configs on the GPU."""
-    import argparse
-
-    import torch
-
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument(
-        "--tune", action="store_true", help="time the configs on this GPU, write the configs file"
-    )
-    args = parser.parse_args(argv)
-    if args.tune:
-        tune()
-        return 0
-    print(f"check: max abs error {check()}")
-    if torch.cuda.is_available():
-        bench()
-    return 0
