@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, print_table, write_result
+from compile_engine.benchmarks.timing import event_seconds
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.timing import event_seconds
 from compile_engine.kernels_generated.tuning import KernelConfig, MlaTuning
 from compile_engine.models import mla
 

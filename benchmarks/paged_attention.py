@@ -24,9 +24,9 @@ import torch
 
 from compile_engine.benchmarks.attention_inputs import PagedBatch, make_batch
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
+from compile_engine.benchmarks.timing import event_seconds
 from compile_engine.kernels_generated import paged_attention as pa
 from compile_engine.kernels_generated import tuning
-from compile_engine.kernels_generated.timing import event_seconds
 from compile_engine.models.ops import paged_attention_ref
 
 PEAK_GB_S = 4260.0  # H200 HBM3e
