@@ -302,7 +302,11 @@ def tune(
         config, times = found
         key = spec.shape_key(shape)
         entry = ConfigEntry(key, config, {**info, **times})
-        section.entries = [e for e in section.entries if e.key != key] + [entry]
+        keys = [e.key for e in section.entries]
+        if key in keys:  # in its place, so a retuned table's diff is the entries that changed
+            section.entries[keys.index(key)] = entry
+        else:
+            section.entries.append(entry)
         seconds = time.perf_counter() - start
         print(f"{_show(spec, shape)}: {config} {times} ({seconds:.1f} s)", flush=True)
         if write:

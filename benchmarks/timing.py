@@ -16,9 +16,13 @@ from collections.abc import Callable
 def graph_us(fn: Callable[[], object], rep_ms: int = 20) -> float:
     """Median microseconds of one `fn()` replayed from a CUDA graph (triton.testing's
     do_bench_cudagraph: as many calls as fill `rep_ms`, ten replays)."""
+    import torch
     from triton.testing import do_bench_cudagraph
 
     fn()  # compile and autotune outside the capture
+    # do_bench_cudagraph runs on a stream of its own that waits for nothing: inputs still being
+    # made on this stream (a MoE layer's 400 MB of experts) would be read unwritten.
+    torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
 
 
