@@ -140,8 +140,9 @@ def versions() -> dict[str, str]:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as one could paste it again from the repo root: `python -m benchmarks
-    latency ...` is recorded as such rather than as the path of benchmarks/__main__.py."""
+    """The command as one could paste it again from the repo root: `python -m
+    compile_engine.benchmarks latency ...` is recorded as such rather than as the path of
+    benchmarks/__main__.py (benchmarks/ is the package's compile_engine.benchmarks)."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return ""
@@ -150,7 +151,8 @@ def command_line(argv: list[str] | None = None) -> str:
     except ValueError:
         return shlex.join([Path(argv[0]).name, *argv[1:]])
     if script.suffix == ".py" and script.parts[0] == "benchmarks":
-        module = ".".join(script.with_suffix("").parts).removesuffix(".__main__")
+        parts = ("compile_engine", *script.with_suffix("").parts)
+        module = ".".join(parts).removesuffix(".__main__")
         return shlex.join(["python", "-m", module, *argv[1:]])
     return shlex.join([str(script), *argv[1:]])
 

@@ -408,3 +408,17 @@ def test_render_markdown(tmp_path):
 def test_cli_rejects_unknown_command(capsys):
     assert cli.main(["nonsense"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_the_recorded_command_runs_the_package_module():
+    from compile_engine.benchmarks.results import REPO_ROOT, command_line
+
+    main = str(REPO_ROOT / "benchmarks" / "__main__.py")
+    assert command_line([main, "latency", "--model", "/m"]) == (
+        "python -m compile_engine.benchmarks latency --model /m"
+    )
+    latency = str(REPO_ROOT / "benchmarks" / "latency.py")
+    assert command_line([latency, "--x"]) == "python -m compile_engine.benchmarks.latency --x"
+    assert command_line(["/venv/bin/compile-engine", "bench", "latency"]) == (
+        "compile-engine bench latency"
+    )
