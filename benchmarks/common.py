@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import torch
 
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY
+from compile_engine.runtime.engine_args import add_engine_options
+from compile_engine.runtime.engine_args import engine_kwargs as engine_kwargs  # the flags' map
 
 
 def add_engine_flags(
@@ -21,33 +23,8 @@ def add_engine_flags(
 ) -> None:
     """The LLM(...) settings a benchmark passes through, plus where its JSON goes."""
     p.add_argument("--model", required=True, help="HF directory (see bench make-model)")
-    p.add_argument("--target", default=None, choices=["cpu", "h100"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
-    p.add_argument("--max-cuda-graph-tokens", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true")
-    p.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
-    p.add_argument(
-        "--kernel-config",
-        default=None,
-        help="our kernels' launch choices as JSON, e.g. '{\"pdl\": false}' (as serve's)",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_options(p, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The same mapping as `compile-engine`'s engine flags (the flag names are shared)."""
-    from compile_engine.runtime.engine_args import engine_kwargs as cli_engine_kwargs
-
-    return cli_engine_kwargs(args)
 
 
 def engine_settings(llm) -> dict:

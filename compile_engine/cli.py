@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -156,12 +157,38 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compile-engine", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+
+def _logging_options(suppress: bool) -> argparse.ArgumentParser:
+    """-v and --log-level, taken before the subcommand and after it alike (a subcommand's copy
+    leaves the value alone unless given, so the earlier one stands)."""
+    options = argparse.ArgumentParser(add_help=False)
+    default = argparse.SUPPRESS if suppress else None
+    options.add_argument(
+        "-v", "--verbose", action="store_true", default=default or False, help="--log-level info"
+    )
+    options.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        type=str.lower,
+        default=default,
+        help="how much to log (default warning, or $COMPILE_ENGINE_LOG_LEVEL)",
+    )
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compile-engine", description=__doc__, parents=[_logging_options(suppress=False)]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    logging_options = _logging_options(suppress=True)
+
+    def add_parser(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[logging_options], **kwargs)
+
+    gen = add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_arguments(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -170,16 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names the model answers to (default: MODEL); responses carry the first",
+    )
     serve.add_argument("--max-waiting", type=int, default=1024)
     serve.set_defaults(func=_serve)
 
-    build = sub.add_parser("build", help="compile a model into an artifact directory")
+    build = add_parser("build", help="compile a model into an artifact directory")
     build.add_argument("model", help="HF directory, .gguf file, alias (smollm2-135m)")
     build.add_argument("--target", default="cpu", choices=["cpu", "h100"])
     build.add_argument("--out", default=None, help="artifact directory (default artifacts/...)")
@@ -200,31 +232,65 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.set_defaults(func=_build)
 
-    inspect = sub.add_parser("inspect", help="describe an artifact")
+    inspect = add_parser("inspect", help="describe an artifact")
     inspect.add_argument("artifact")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=_inspect)
 
+    # Everything after `bench` is the benchmarks' own command line (main() splits it off, so
+    # that `bench --help` and `bench <command> --help` reach their parsers).
     bench = sub.add_parser(
         "bench",
         help="benchmarks (`bench --help` lists them): latency, throughput, serve, breakdown, "
         "startup, kv-waste, fusions, moe, mla, paged-attention, make-model, render",
         add_help=False,
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench, bench_args=[])
 
-    passes = sub.add_parser("passes", help="list the registered compiler passes")
+    passes = add_parser("passes", help="list the registered compiler passes")
     passes.add_argument("--json", action="store_true")
     passes.set_defaults(func=_passes)
     return parser
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0 to 65535)")
+    return port
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    if args.log_level:
+        return getattr(logging, args.log_level.upper())
+    if args.verbose:
+        return logging.INFO
+    name = os.environ.get("COMPILE_ENGINE_LOG_LEVEL", "warning").lower()
+    if name not in LOG_LEVELS:
+        raise SystemExit(
+            f"compile-engine: error: COMPILE_ENGINE_LOG_LEVEL={name!r}: use one of "
+            f"{', '.join(LOG_LEVELS)}"
+        )
+    return getattr(logging, name.upper())
+
+
+def _split_bench(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the engine CLI's words, the benchmarks' words): what follows a `bench` that is the
+    subcommand (only options before it) belongs to the benchmarks' parser."""
+    for i, word in enumerate(argv):
+        if not word.startswith("-"):
+            return (argv[: i + 1], argv[i + 1 :]) if word == "bench" else (argv, [])
+    return argv, []
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, bench_args = _split_bench(argv)
+    args = build_parser().parse_args(ours)
+    if args.command == "bench":
+        args.bench_args = bench_args
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=_log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # Before torch and the compiler are imported: an install without bytecode would compile
     # their ~2,700 modules from source at every start (runtime/bytecode_cache.py).
@@ -237,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     from compile_engine.passes.registry import UnknownPassError
     from compile_engine.runtime.engine import EngineConfigError
     from compile_engine.runtime.sampling_params import InvalidSamplingParams
+    from compile_engine.runtime.server import ServerError
 
     user_errors = (
         ModelError,
@@ -246,13 +313,18 @@ def main(argv: list[str] | None = None) -> int:
         CompileConfigError,
         UnknownPassError,
         KernelConfigError,
+        ServerError,
         FileExistsError,
     )
     try:
         return args.func(args)
     except user_errors as exc:
+        # One line, no traceback: the message says what to change. Usage errors (a flag
+        # argparse refuses) exit 2 before this; a setting that cannot work exits 1.
         print(f"compile-engine: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -404,3 +404,7 @@ class WeightRead:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+    def join(self) -> None:
+        """Wait for the thread to end without raising what it raised."""
+        self._thread.join()

@@ -32,9 +32,11 @@ from compile_engine.runtime.activation_profile import activation_bytes
 from compile_engine.runtime.activation_profile import lookup as lookup_activation_bytes
 from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
 from compile_engine.runtime.model_runner import ModelRunner, allocate_kv_caches, default_num_blocks
-from compile_engine.runtime.scheduler import Scheduler, SchedulerConfig
+from compile_engine.runtime.scheduler import InvalidSchedulerConfig, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {"float": "float32", "half": "float16"}  # --dtype's aliases, as the manifest names
 
 
 @dataclass(slots=True)
@@ -62,8 +64,14 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
     full collection at the end. Paused for start-up only, whatever it raises."""
     collecting = gc.isenabled()
     gc.disable()
+    start = _Start(config)
     try:
-        return _Start(config).build(loaded)
+        return start.build(loaded)
+    except BaseException:
+        # A weight read still running when the error ends the process would abort it from
+        # native code (`terminate called without an active exception`): end it first.
+        start.abandon_weights()
+        raise
     finally:
         if collecting:
             gc.enable()
@@ -115,18 +123,22 @@ class _Start:
             device,
             max_model_len * (config.kv_pool_sequences or config.max_num_seqs),
             reserve,
+            config.gpu_memory_utilization,
         )
-        scheduler = Scheduler(
-            SchedulerConfig(
-                max_model_len=max_model_len,
-                block_size=config.block_size,
-                num_blocks=num_blocks,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_prefix_caching=config.enable_prefix_caching,
-                max_waiting=config.max_waiting,
+        try:
+            scheduler = Scheduler(
+                SchedulerConfig(
+                    max_model_len=max_model_len,
+                    block_size=config.block_size,
+                    num_blocks=num_blocks,
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    max_waiting=config.max_waiting,
+                )
             )
-        )
+        except InvalidSchedulerConfig as exc:
+            raise EngineConfigError(str(exc)) from None
         kv_caches = allocate_kv_caches(loaded, num_blocks, config.block_size, device)
         self.phase("kv_cache_s", mark)
         graphs = None
@@ -214,6 +226,15 @@ class _Start:
                 f"artifact {artifact} was built for target {manifest.target}, not "
                 f"{config.target}; {manifest.rebuild_hint(artifact)}"
             )
+        if (
+            config.dtype != "auto"
+            and _DTYPE_NAMES.get(config.dtype, config.dtype) != manifest.dtype
+        ):
+            raise EngineConfigError(
+                f"artifact {artifact} was built for dtype {manifest.dtype}, not {config.dtype}; "
+                f"drop --dtype to use the artifact's, or rebuild: "
+                f"{manifest.rebuild_hint(artifact).replace(manifest.dtype, config.dtype)}"
+            )
         built = manifest.kernel()
         if config.kernel_config is not None and config.kernel_config != built:
             raise EngineConfigError(
@@ -258,9 +279,18 @@ class _Start:
             config=config_from_dict(stored) if stored else None,
             storage=False,
         )
+        # Settings the model's config decides, checked before the read starts.
+        _max_model_len(loaded.config, self.config.max_model_len)
         self.phase("model_init_s", mark)
         self.weights = WeightRead(loaded.model, tensors, device)
         return loaded
+
+    def abandon_weights(self) -> None:
+        """Let a weight read that is still running end, whatever it raises: start-up failed
+        already, and its error is the one to report."""
+        if self.weights is not None:
+            self.weights.join()
+            self.weights = None
 
     def wait_for_weights(self, storage_only: bool = False) -> None:
         """Wait for the weight read (or, `storage_only`, for the model's storage), if one

@@ -8,15 +8,26 @@ import argparse
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The LLM(...) settings, shared by every subcommand that runs a model."""
+    """The model and the LLM(...) settings, shared by every subcommand that runs a model."""
     parser.add_argument("model", help="HF directory, .gguf file, alias (smollm2-135m)")
+    add_engine_options(parser)
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser,
+    *,
+    max_num_seqs: int | None = 256,
+    max_num_batched_tokens: int = 2048,
+) -> None:
+    """The LLM(...) settings as flags, with these defaults for the step's size (the
+    benchmarks take their own)."""
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--target", default=None, choices=["cpu", "h100"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
     parser.add_argument(
         "--max-cuda-graph-tokens",
         type=int,
@@ -24,7 +35,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest step (tokens) that replays a CUDA graph on h100 (default 2048); give "
         "`build` the same, so that the artifact holds those sizes' kernels",
     )
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of shared prompt prefixes (on by default)",
+    )
+    # The spelling of earlier releases, kept working.
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="the share of the GPU's memory the engine may use, weights, activations and KV "
+        "cache together (default 0.9); the KV pool gets what is left (h100; ignored on cpu)",
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
@@ -52,7 +82,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_cuda_graph_tokens=args.max_cuda_graph_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         passes=args.passes,

@@ -12,6 +12,8 @@ from compile_engine.compiler.artifact import Manifest, is_artifact
 from compile_engine.kernels_generated.tuning import KernelConfig, KernelConfigError
 
 TARGETS = {"cpu": "cpu", "h100": "cuda"}
+# What --dtype takes (vLLM's names): "auto" keeps the checkpoint's.
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 
 class EngineConfigError(ValueError):
@@ -36,6 +38,9 @@ class EngineConfig:
     # setting, else MAX_GRAPH_TOKENS (2,048). Larger steps run the compiled pieces one by one
     # (compiler/cuda_graphs.py).
     max_cuda_graph_tokens: int | None = None
+    # The share of the GPU's memory the engine may use (vLLM's): weights, activations and the
+    # KV pool, which gets what is left when num_kv_blocks is unset.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
@@ -62,10 +67,26 @@ class EngineConfig:
             )
         if TARGETS[self.target] == "cuda" and not torch.cuda.is_available():
             raise EngineConfigError(f"target {self.target} needs a CUDA device; use --target cpu")
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(
+                f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        for name, least in (("num_kv_blocks", 2), ("max_model_len", 1), ("max_waiting", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < least):
+                why = " (block 0 is the scratch block padding writes into)" if least == 2 else ""
+                raise EngineConfigError(
+                    f"{name}={value!r} is invalid: must be an integer >= {least}{why}"
+                )
+        utilization = self.gpu_memory_utilization
+        if not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+            raise EngineConfigError(
+                f"gpu_memory_utilization={utilization!r} is invalid: must be in (0, 1]"
+            )
         graph_tokens = self.max_cuda_graph_tokens
         if graph_tokens is not None and (not isinstance(graph_tokens, int) or graph_tokens < 1):
             raise EngineConfigError(
@@ -76,6 +97,13 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_pool_sequences={pool!r} is invalid: must be an integer >= 1"
             )
+        if self.passes is not None:
+            from compile_engine.passes.registry import UnknownPassError, select
+
+            try:
+                select(self.passes)
+            except UnknownPassError as exc:
+                raise EngineConfigError(f"passes={self.passes!r}: {exc}") from None
         if self.kernel_config is not None:
             try:
                 self.kernel_config = KernelConfig.coerce(self.kernel_config)

@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 # CPU default KV budget, as vLLM's CPU backend: enough for long contexts, small enough for a
 # laptop. Override with num_kv_blocks.
 CPU_KV_BYTES = 4 << 30
-GPU_MEMORY_UTILIZATION = 0.90
 
 
 @dataclass(slots=True)
@@ -149,13 +148,16 @@ def default_num_blocks(
     device: torch.device,
     needed_tokens: int,
     reserve_bytes: int = 0,
+    gpu_memory_utilization: float = 0.9,
 ) -> int:
     """Size the pool from memory: all of it that is useful, within the device's budget, after
-    `reserve_bytes` for activations and CUDA graphs."""
+    `reserve_bytes` for activations and CUDA graphs. On CUDA the budget is what keeps the
+    process's use of the device (weights loaded already, so outside `free`) within
+    `gpu_memory_utilization` of its memory, as vLLM sizes it."""
     per_block = kv_bytes_per_block(loaded, block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - GPU_MEMORY_UTILIZATION) * total - reserve_bytes
+        budget = free - (1 - gpu_memory_utilization) * total - reserve_bytes
     else:
         budget = CPU_KV_BYTES
     useful = -(-needed_tokens // block_size) + 1

@@ -128,6 +128,35 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int64 | None = 16
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One message for a prompt of none of the four shapes, naming what is wrong, instead
+        of the union's one complaint per shape it tried."""
+        shapes = (
+            "a string, a list of strings, a list of token ids (integers >= 0), or a list of "
+            "such lists"
+        )
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise PydanticCustomError("prompt_shape", f"the prompt must be {shapes}")
+        if all(isinstance(item, str) for item in value):  # an empty one too: "is empty", later
+            return value
+        batches = value if all(isinstance(item, list) for item in value) else [value]
+        for b, ids in enumerate(batches):
+            for i, token in enumerate(ids):
+                where = f"prompt[{b}][{i}]" if batches is value else f"prompt[{i}]"
+                if type(token) is not int:
+                    raise PydanticCustomError(
+                        "prompt_shape", f"{where} is {token!r}: the prompt must be {shapes}"
+                    )
+                if token < 0:
+                    raise PydanticCustomError(
+                        "prompt_shape", f"{where} is {token}: token ids are integers >= 0"
+                    )
+        return value
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import functools
 import hmac
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from compile_engine.compiler.artifact import ENGINE_VERSION
 from compile_engine.runtime.async_engine import AsyncLLM
 from compile_engine.runtime.engine import EngineConfig, LLMEngine
 from compile_engine.runtime.metrics import CONTENT_TYPE
@@ -63,12 +66,15 @@ ASYNC_LLM = web.AppKey("async_llm", AsyncLLM)
 def build_app(
     engine: LLMEngine,
     *,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> web.Application:
-    """The aiohttp app serving `engine`; it starts and stops its AsyncLLM with the app."""
-    state = State(engine, served_model_name or engine.config.model, api_key or None, max_body_bytes)
+    """The aiohttp app serving `engine`; it starts and stops its AsyncLLM with the app.
+    served_model_name: the name, or names, a request's `model` may give (responses carry the
+    first, as vLLM's do); default the engine's model."""
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+    state = State(engine, names or [engine.config.model], api_key or None, max_body_bytes)
     # client_max_size is the backstop; read_json refuses by Content-Length before reading.
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
     app[STATE] = state
@@ -90,6 +96,9 @@ def build_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
+    app.router.add_get("/ping", _health)
+    app.router.add_post("/ping", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
@@ -98,7 +107,7 @@ def build_app(
 
 # -- middleware -------------------------------------------------------------------------------
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 _HTTP_ERRORS = {
     404: ("not_found_error", "not_found"),
@@ -159,9 +168,9 @@ async def _auth(request: web.Request, handler: Callable) -> web.StreamResponse:
 # -- the small endpoints ----------------------------------------------------------------------
 
 
-def _model_card(state: State) -> dict[str, Any]:
+def _model_card(state: State, name: str) -> dict[str, Any]:
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "compile-engine",
@@ -171,17 +180,25 @@ def _model_card(state: State) -> dict[str, Any]:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    state = request.app[STATE]
+    cards = [_model_card(state, name) for name in state.model_names]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def _model(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: what the openai client's `models.retrieve` asks."""
     state = request.app[STATE]
     check_model(state, request.match_info["model"])
-    return web.json_response(_model_card(state))
+    return web.json_response(_model_card(state, request.match_info["model"]))
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": ENGINE_VERSION})
 
 
 async def _health(request: web.Request) -> web.Response:
+    """GET /health, and /ping as vLLM answers it (load balancers probe both): 200 while the
+    engine runs, 503 before it starts or once it has died."""
     llm = request.app[STATE].llm
     if llm is None or llm.dead is not None:
         raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
@@ -234,15 +251,46 @@ async def _detokenize(request: web.Request) -> web.Response:
 # -- entry point ------------------------------------------------------------------------------
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use or a host that does
+    not resolve fails in a second, not after minutes of loading. ServerError says why."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        hint = "; choose another --port" if exc.errno == errno.EADDRINUSE else ""
+        raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class ServerError(RuntimeError):
+    """The server cannot start as asked; the message says what to change."""
+
+
 async def serve(
-    app: web.Application, host: str, port: int, *, grace_s: float = SHUTDOWN_GRACE_S
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    grace_s: float = SHUTDOWN_GRACE_S,
+    sock: socket.socket | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT, then stop accepting, let in-flight requests finish for up
-    to `grace_s` (the rest are cancelled, which aborts them) and return 0."""
+    to `grace_s` (the rest are cancelled, which aborts them) and return 0. `sock`: a socket
+    `bind` returned (host and port then only name it)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=grace_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
         await site.start()
         for address in runner.addresses:
             host_, port_ = address[:2]
@@ -260,15 +308,19 @@ async def serve(
 
 
 def main(args: argparse.Namespace) -> int:
-    """`compile-engine serve`: load the engine, serve until SIGTERM, return the exit code."""
+    """`compile-engine serve`: check the settings and take the port, load the engine, serve
+    until SIGTERM, return the exit code."""
     from compile_engine.runtime.engine_args import engine_kwargs
 
-    engine = LLMEngine(
-        EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
-    )
-    app = build_app(
-        engine,
-        served_model_name=args.served_model_name or args.model,
-        api_key=args.api_key or os.environ.get("COMPILE_ENGINE_API_KEY"),
-    )
-    return asyncio.run(serve(app, args.host, args.port))
+    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
+    sock = bind(args.host, args.port)
+    try:
+        engine = LLMEngine(config)
+        app = build_app(
+            engine,
+            served_model_name=args.served_model_name or [args.model],
+            api_key=args.api_key or os.environ.get("COMPILE_ENGINE_API_KEY"),
+        )
+        return asyncio.run(serve(app, args.host, args.port, sock=sock))
+    finally:
+        sock.close()

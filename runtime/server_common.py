@@ -32,10 +32,11 @@ class State:
     """What the handlers of one app share."""
 
     def __init__(
-        self, engine: LLMEngine, model_name: str, api_key: str | None, max_body_bytes: int
+        self, engine: LLMEngine, model_names: list[str], api_key: str | None, max_body_bytes: int
     ) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]  # what responses carry
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -121,10 +122,11 @@ def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
 
 
 def check_model(state: State, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model not in state.model_names:
+        served = ", ".join(repr(name) for name in state.model_names)
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {model!r} does not exist; this server serves {served}",
             type="not_found_error",
             param="model",
             code="model_not_found",

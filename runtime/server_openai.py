@@ -42,7 +42,7 @@ _MIN_LOGPROB = -9999.0
 
 
 def _sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, **fields: Any
+    req: CompletionRequest | ChatCompletionRequest, vocab_size: int, **fields: Any
 ) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
@@ -69,6 +69,13 @@ def _sampling_params(
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    if any(t >= vocab_size for t in kwargs["stop_token_ids"]):
+        raise APIError(
+            400,
+            f"stop_token_ids must be token ids of this model's vocabulary, in [0, {vocab_size})",
+            param="stop_token_ids",
+            code="invalid_value",
+        )
     if 0 < kwargs.get("temperature", 1.0) < _GREEDY_EPS:  # negative ones are refused below
         kwargs["temperature"] = 0.0
     try:
@@ -157,7 +164,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if tokenizer is None and (want_logprobs or req.echo):
         param = "logprobs" if want_logprobs else "echo"
         raise APIError(400, f"this model has no tokenizer to give {param} its text", param=param)
-    params = _sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    vocab = state.engine.model_config.vocab_size
+    params = _sampling_params(req, vocab, max_tokens=req.max_tokens, logprobs=req.logprobs)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     llm = state.async_llm()
@@ -284,7 +292,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
     if max_tokens is None:
         max_tokens = req.max_tokens
-    params = _sampling_params(req, max_tokens=max_tokens, logprobs=top_k if req.logprobs else None)
+    params = _sampling_params(
+        req,
+        state.engine.model_config.vocab_size,
+        max_tokens=max_tokens,
+        logprobs=top_k if req.logprobs else None,
+    )
     llm = state.async_llm()
     messages = [m.template_dict() for m in req.messages]
     template = functools.partial(
