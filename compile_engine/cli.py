@@ -14,14 +14,15 @@ from compile_engine.runtime.engine_args import add_engine_arguments, engine_kwar
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from compile_engine.runtime.engine import EngineConfig, LLMEngine
+    from compile_engine.runtime.engine import EngineConfig
+    from compile_engine.runtime.progress import start_engine
     from compile_engine.runtime.sampling_params import SamplingParams
 
     # One request: the default KV pool is sized for one sequence of max_model_len rather than
     # max_num_seqs of them (on CPU that pool is 4 GiB, zero-filled at start: ~10 s of page
     # faults on a 2-core machine). --num-kv-blocks still sets it exactly.
     config = EngineConfig(model=args.model, kv_pool_sequences=1, **engine_kwargs(args))
-    engine = LLMEngine(config)
+    engine = start_engine(config)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -51,16 +52,32 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from compile_engine.compiler.build import build_artifact
-    from compile_engine.kernels_generated.tuning import KernelConfig
-    from compile_engine.runtime.activation_profile import build_step
-    from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from compile_engine.runtime.progress import StartupProgress
 
     def progress(stage: str, seconds: float) -> None:
         print(f"[build] {stage:<13} {seconds:7.1f} s", flush=True)
 
     out = args.out or f"artifacts/{Path(args.model).name.removesuffix('.gguf')}-{args.target}"
-    manifest = build_artifact(
+    steps = StartupProgress("build", sys.stdout)
+    try:
+        manifest = _build_artifact(args, out, progress, steps)
+    finally:
+        steps.close()
+    c = manifest.compile
+    print(
+        f"[build] wrote {out}: {c['num_pieces']} pieces ({c['num_attention_pieces']} attention), "
+        f"{c['num_compiled_pieces']} compiled, {len(manifest.kernels)} kernel files"
+    )
+    return 0
+
+
+def _build_artifact(args: argparse.Namespace, out: str, progress, steps):
+    from compile_engine.compiler.build import build_artifact
+    from compile_engine.kernels_generated.tuning import KernelConfig
+    from compile_engine.runtime.activation_profile import build_step
+    from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+    return build_artifact(
         args.model,
         out,
         target=args.target,
@@ -73,6 +90,7 @@ def _build(args: argparse.Namespace) -> int:
         passes=args.passes,
         kernel_config=KernelConfig.coerce(args.kernel_config),
         progress=progress,
+        steps=steps,
         # The KV pool's activation reserve for the step sizes of `serve` and of `LLM` with
         # these settings, so that a first start finds it measured.
         extra_steps={
@@ -84,12 +102,6 @@ def _build(args: argparse.Namespace) -> int:
             )
         },
     )
-    c = manifest.compile
-    print(
-        f"[build] wrote {out}: {c['num_pieces']} pieces ({c['num_attention_pieces']} attention), "
-        f"{c['num_compiled_pieces']} compiled, {len(manifest.kernels)} kernel files"
-    )
-    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:

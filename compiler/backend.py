@@ -172,6 +172,7 @@ class PiecewiseBackend:
         # the engine waits there for the weights it reads on a thread, so that the graph never
         # computes on parameters not yet read.
         self.before_first_run: Callable[[], None] | None = None
+        self.progress: Callable[[str, int, int | None], None] | None = None  # (task, done, total)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         self.stats.compilations += 1
@@ -210,6 +211,10 @@ class _PieceCompiler(torch.fx.Interpreter):
         super().__init__(split)
         self.backend, self.split, self.attention = backend, split, attention
         self.compiled: dict[str, Callable] = {}
+        self.pieces_to_compile = sum(
+            1 for n in split.graph.nodes if n.op == "call_module" and n.target not in attention
+        )
+        self.pieces_done = 0
         # Fake outputs of each piece already run, by its key and its non-tensor inputs' values
         # (the structural key has only their types). The same graph on inputs of the same
         # metadata gives outputs of the same metadata, and only metadata flows on to the next
@@ -240,6 +245,9 @@ class _PieceCompiler(torch.fx.Interpreter):
             log.info("piece %s (%s): %.2f s, cache %s", target, key, record.seconds, record.cache)
         # The split graph calls its submodules by attribute: swap in the compiled callable.
         self.split.__dict__[target] = self.compiled[key]
+        self.pieces_done += 1
+        if self.backend.progress is not None:
+            self.backend.progress("compile", self.pieces_done, self.pieces_to_compile)
         return out
 
 

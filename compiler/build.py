@@ -67,12 +67,15 @@ def build_artifact(
     passes: str | None = None,
     kernel_config: KernelConfig | None = None,
     progress: Callable[[str, float], None] | None = None,
+    steps: Callable[[str, int, int | None], None] | None = None,
     extra_steps: dict[str, BuildStep] | None = None,
 ) -> Manifest:
     """Compile `model` for `target` into the artifact directory `out`; return its manifest.
     max_cuda_graph_tokens (None: MAX_GRAPH_TOKENS) bounds the graph sizes warmed up here, so
     that serve's graphs of the same bound find their kernels in the artifact. kernel_config:
-    our kernels' launch choices (None: the defaults), recorded in the manifest."""
+    our kernels' launch choices (None: the defaults), recorded in the manifest. progress hears
+    each stage's time when it ends; steps the compile's pieces and the warm-up's sizes as they
+    go (task, done, total)."""
     kernel_config = kernel_config or tuning.default()
     max_cuda_graph_tokens = max_cuda_graph_tokens or MAX_GRAPH_TOKENS
     say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
@@ -100,7 +103,7 @@ def build_artifact(
     )
     compiled = CompiledForward(loaded.model, config, loaded.dtype)
     before = _generated_modules()
-    compiled.capture(kv_caches)
+    compiled.capture(kv_caches, progress=steps)
     stats = compiled.backend.stats
     say("trace+passes", stats.trace_seconds + stats.pass_seconds)
     say("compile", stats.seconds - stats.pass_seconds)
@@ -138,7 +141,7 @@ def build_artifact(
             num_kv_heads=cfg.num_kv_heads,
             device=device,
         )
-        runner.warm_up()
+        runner.warm_up(steps)
         warm_up_s = runner.warmup_seconds
         say("warm-up", warm_up_s)
 

@@ -141,11 +141,15 @@ class CompiledForward:
         self.cache_stats: dict[str, int] = {}
 
     def capture(
-        self, kv_caches: list[torch.Tensor], before_first_run: Callable[[], None] | None = None
+        self,
+        kv_caches: list[torch.Tensor],
+        before_first_run: Callable[[], None] | None = None,
+        progress: Callable[[str, int, int | None], None] | None = None,
     ) -> None:
         """Trace and compile now, on a dummy batch, so that no request pays for it. Tracing and
         compiling need the parameters' shapes and addresses only; `before_first_run` is called
-        between them and the graph's first run, which computes with their values."""
+        between them and the graph's first run, which computes with their values. `progress`
+        hears ("compile", pieces done, pieces) as each piece is compiled or found cached."""
         device = kv_caches[0].device
         ids, positions, meta = dummy_batch(self.model.config.vocab_size, device)
         for t in (ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
@@ -170,6 +174,7 @@ class CompiledForward:
         start = time.perf_counter()
         self.backend.capture_started = start
         self.backend.before_first_run = before_first_run
+        self.backend.progress = progress
         with (
             torch.inference_mode(),
             inductor_config.patch(unsafe_marked_cacheable_functions=marked),

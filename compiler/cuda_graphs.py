@@ -193,26 +193,32 @@ class CUDAGraphRunner:
         self.warmup_seconds += time.perf_counter() - start
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, progress: Callable[[str, int, int | None], None] | None = None) -> None:
         """Run the forward once at every capture size on the all-padding batch, without
         graphs. A build calls this: a kernel's first launch at a size can compile a Triton
         specialisation (paged attention picks its split count and kernel variant from the
         token count and the table's width), and compiled here it lands in the artifact's
-        Triton cache, so that the capture at serve time only loads it."""
+        Triton cache, so that the capture at serve time only loads it. `progress` hears
+        ("warm-up", sizes done, sizes)."""
         self.prepare_for_capture()
-        for size, width in self._keys():
+        keys = self._keys()
+        for done, (size, width) in enumerate(keys, 1):
             self._warm_up(size, width)
+            if progress is not None:
+                progress("warm-up", done, len(keys))
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, progress: Callable[[str, int, int | None], None] | None = None) -> None:
+        """Capture every graph, largest first; `progress` hears ("cuda graphs", done, all)."""
         self.prepare_for_capture()
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        keys = self._keys()
         with torch.cuda.stream(stream):
-            for size, width in self._keys():
+            for done, (size, width) in enumerate(keys, 1):
                 self._warm_up(size, width)  # lazy init (kernel loads, cuBLAS) outside the graph
                 args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
                 graph = torch.cuda.CUDAGraph()
@@ -221,6 +227,8 @@ class CUDAGraphRunner:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[size, width], self.outputs[size, width] = graph, out
+                if progress is not None:
+                    progress("cuda graphs", done, len(keys))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,6 +346,16 @@ def open_model(
     return LoadedModel(net, config, hf_config, source, torch_dtype), tensors
 
 
+def _counted(
+    tensors: Iterable[tuple[str, torch.Tensor]], progress: Callable[[str, int, int | None], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    done = 0
+    for done, item in enumerate(tensors, 1):
+        yield item
+        progress("weights", done, None)
+    progress("weights", done, done)  # all read: the count is the total
+
+
 class WeightRead:
     """A meta model given storage on `device` and filled from `tensors` on a thread of its own,
     started at once. `wait_for_storage()` returns once every parameter and buffer has its
@@ -362,7 +372,12 @@ class WeightRead:
         model: nn.Module,
         tensors: Iterable[tuple[str, torch.Tensor]],
         device: torch.device,
+        progress: Callable[[str, int, int | None], None] | None = None,
     ) -> None:
+        """progress hears ("weights", tensors read, None) from the thread as it reads, and
+        (.., n, n) once all n are read."""
+        if progress is not None:
+            tensors = _counted(tensors, progress)
         self.seconds = 0.0  # the read's own duration (storage included), set when it ends
         self._error: BaseException | None = None
         self._storage = threading.Event()

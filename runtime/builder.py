@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,15 +57,22 @@ class EngineParts:
     activation_profile_cached: bool
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+Progress = Callable[[str, int, int | None], None]  # (task, done, total): runtime/progress.py
+
+
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None, progress: Progress | None = None
+) -> EngineParts:
     """Build an engine's parts from `config` (an artifact directory or a model), or around an
-    already `loaded` model. Start-up allocates millions of objects (modules, Dynamo and
-    Inductor state) and the collector's automatic passes traverse them again and again: 0.95 s
-    of a 32-layer model's start-up on the 2-core CPU, 0.33 s with them paused until the one
-    full collection at the end. Paused for start-up only, whatever it raises."""
+    already `loaded` model; `progress` hears the weight read, the compile and the CUDA-graph
+    capture as they go (`StartupProgress`, for the command line). Start-up allocates millions
+    of objects (modules, Dynamo and Inductor state) and the collector's automatic passes
+    traverse them again and again: 0.95 s of a 32-layer model's start-up on the 2-core CPU,
+    0.33 s with them paused until the one full collection at the end. Paused for start-up only,
+    whatever it raises."""
     collecting = gc.isenabled()
     gc.disable()
-    start = _Start(config)
+    start = _Start(config, progress)
     try:
         return start.build(loaded)
     except BaseException:
@@ -80,8 +88,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
 class _Start:
     """One start-up's state: the phase timings and the weight read in flight."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, progress: Progress | None) -> None:
         self.config = config
+        self.progress = progress
         self.t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
         self.weights: WeightRead | None = None
@@ -147,7 +156,9 @@ class _Start:
             # The first run of the captured graph waits for the weights: a forward on
             # parameters not yet read could leave NaN in the KV cache's scratch block (which
             # padding reads, masked) or, on CUDA, index out of range.
-            compiled.capture(kv_caches, before_first_run=self.wait_for_weights)
+            compiled.capture(
+                kv_caches, before_first_run=self.wait_for_weights, progress=self.progress
+            )
             waited = compiled.backend.stats.before_first_run_seconds
             self.timings["compile_s"] = time.perf_counter() - mark - waited
             if _graphs_possible(config, compiled):
@@ -167,7 +178,7 @@ class _Start:
                     num_kv_heads=loaded.config.num_kv_heads,
                     device=device,
                 )
-                graphs.capture()
+                graphs.capture(self.progress)
                 self.phase("cuda_graphs_s", mark)
         runner = ModelRunner(
             loaded,
@@ -282,7 +293,7 @@ class _Start:
         # Settings the model's config decides, checked before the read starts.
         _max_model_len(loaded.config, self.config.max_model_len)
         self.phase("model_init_s", mark)
-        self.weights = WeightRead(loaded.model, tensors, device)
+        self.weights = WeightRead(loaded.model, tensors, device, self.progress)
         return loaded
 
     def abandon_weights(self) -> None:

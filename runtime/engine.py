@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from compile_engine.models.loader import LoadedModel
-from compile_engine.runtime.builder import build_engine
+from compile_engine.runtime.builder import Progress, build_engine
 from compile_engine.runtime.detokenizer import IncrementalDetokenizer
 from compile_engine.runtime.engine_config import TARGETS, EngineConfig, EngineConfigError
 from compile_engine.runtime.model_runner import InFlightStep, TokenLogprobs
@@ -78,10 +78,16 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        progress: Progress | None = None,
+    ) -> None:
         """Start an engine for `config` (or around an already `loaded` model): the builder
-        loads, compiles and captures (runtime/builder.py), the engine keeps what it built."""
-        parts = build_engine(config, loaded)
+        loads, compiles and captures (runtime/builder.py), the engine keeps what it built;
+        `progress` hears the long phases (runtime/progress.py)."""
+        parts = build_engine(config, loaded, progress)
         self.config = parts.config
         self.manifest = parts.manifest
         self.loaded = parts.loaded

@@ -157,6 +157,7 @@ class CompletionRequest(_SamplingFields):
                         "prompt_shape", f"{where} is {token}: token ids are integers >= 0"
                     )
         return value
+
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

@@ -42,6 +42,7 @@ from compile_engine.compiler.artifact import ENGINE_VERSION
 from compile_engine.runtime.async_engine import AsyncLLM
 from compile_engine.runtime.engine import EngineConfig, LLMEngine
 from compile_engine.runtime.metrics import CONTENT_TYPE
+from compile_engine.runtime.progress import start_engine
 from compile_engine.runtime.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from compile_engine.runtime.server_common import (
     DEFAULT_MAX_BODY_BYTES,
@@ -315,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
     sock = bind(args.host, args.port)
     try:
-        engine = LLMEngine(config)
+        engine = start_engine(config)
         app = build_app(
             engine,
             served_model_name=args.served_model_name or [args.model],

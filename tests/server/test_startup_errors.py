@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tiny_models import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
