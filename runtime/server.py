@@ -39,6 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from compile_engine.compiler.artifact import ENGINE_VERSION
+from compile_engine.runtime import server_responses
 from compile_engine.runtime.async_engine import AsyncLLM
 from compile_engine.runtime.engine import EngineConfig, LLMEngine
 from compile_engine.runtime.metrics import CONTENT_TYPE
@@ -94,6 +95,7 @@ def build_app(
     app.cleanup_ctx.append(engine_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    server_responses.add_routes(app)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)

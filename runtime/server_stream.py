@@ -1,5 +1,7 @@
 """Running one API call's engine requests (`Run`, one request per prompt) and answering them:
-all outputs collected for a JSON answer, or sent as Server-Sent Events as they arrive.
+all outputs collected for a JSON answer, or sent as Server-Sent Events as they arrive: OpenAI's
+`data:` chunks ending in `[DONE]` (`stream`), or the named events of the Responses and Anthropic
+Messages APIs (`stream_events`).
 
 A run that ends any other way than in full (the client went away, a write failed, the handler
 was cancelled) aborts its requests, which frees their KV blocks before the engine's next step.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -183,4 +185,42 @@ async def stream(
         log.debug("client went away during a stream")
     finally:
         run.abort()
+    return response
+
+
+def sse_event(name: str, payload: dict[str, Any]) -> bytes:
+    """One named Server-Sent Event; the Anthropic client skips events without a name."""
+    data = json.dumps(payload, ensure_ascii=False).encode()
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+
+async def stream_events(
+    request: web.Request,
+    run: Run,
+    events: AsyncGenerator[bytes, None],
+    failed: Callable[[], bytes],
+) -> web.StreamResponse:
+    """Send `events` (encoded SSE, which pull the run's outputs themselves) as they come; a
+    failure once the headers are out is sent as the event `failed()` makes, since the status
+    can no longer change. On a dropped connection, or any other early end, abort the run."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await response.prepare(request)  # inside the try, as in `stream`
+        try:
+            async for event in events:
+                await response.write(event)
+        except ConnectionError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, EngineError):
+                log.error("stream failed", exc_info=exc)
+            await response.write(failed())
+        await response.write_eof()
+    except ConnectionError:
+        log.debug("client went away during a stream")
+    finally:
+        run.abort()
+        await events.aclose()
     return response
