@@ -39,7 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from compile_engine.compiler.artifact import ENGINE_VERSION
-from compile_engine.runtime import server_responses
+from compile_engine.runtime import server_anthropic, server_responses
 from compile_engine.runtime.async_engine import AsyncLLM
 from compile_engine.runtime.engine import EngineConfig, LLMEngine
 from compile_engine.runtime.metrics import CONTENT_TYPE
@@ -96,6 +96,7 @@ def build_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     server_responses.add_routes(app)
+    server_anthropic.add_routes(app)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
@@ -156,6 +157,8 @@ async def _auth(request: web.Request, handler: Callable) -> web.StreamResponse:
     if key is not None and request.path not in _OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
+        if "x-api-key" in request.headers and request.path in server_anthropic.PATHS:
+            scheme, token = "bearer", request.headers["x-api-key"]  # what Anthropic clients send
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             token.strip().encode(), key.encode()
         ):
