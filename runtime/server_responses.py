@@ -203,7 +203,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     prompt = await llm.run_in_engine_thread(template)
     response = _Response(req, state.model_name)
     run = Run(llm, response.id, 1)
-    await run.start([prompt], params, req.cache_salt)
+    try:
+        await run.start([prompt], params, req.cache_salt)
+    except APIError as exc:
+        if exc.code == "context_length_exceeded":  # the engine's message names its own field
+            exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+        raise
 
     def keep(body: dict[str, Any], text: str) -> None:
         if req.store:

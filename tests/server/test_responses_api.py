@@ -282,6 +282,9 @@ def test_model_route_and_method_errors(http, client):
     assert_error(http.post(R, json={"model": "gpt-nope", "input": "Hi"}), 404, "model")
     assert_error(http.get(R + "/resp_missing"), 404, "response_id")
     assert_error(http.put(R, json={}), 405)
+    too_long = assert_error(http.post(R, json={"input": "Hi", "max_output_tokens": 10**9}), 400)
+    assert too_long["code"] == "context_length_exceeded"
+    assert "max_output_tokens" in too_long["message"]
     assert_error(http.post(R, content=b"{", headers={"Content-Type": "application/json"}), 400)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL_NAME, input="Hi", tools=[{"type": "web_search"}])
