@@ -105,6 +105,19 @@ class Request:
         return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the prompt this request computes must be scored: sibling 0 of a request
+        that asks for prompt logprobs (the siblings share one prompt and fork its blocks),
+        until its first output token is out, by which time every prompt token's logprob has
+        come back with the steps that computed it. Until then it reads no prefix-cache hit,
+        whose blocks were computed by another request and scored by none (as vLLM does)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.sibling_index == 0
+            and not self.output_token_ids
+        )
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -11,6 +11,7 @@ class InvalidSamplingParams(ValueError):
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+MAX_LOGPROBS = 20  # top alternatives a position may return (OpenAI's and vLLM's default bound)
 
 
 @dataclass(slots=True)
@@ -21,7 +22,9 @@ class SamplingParams:
     logits divided by 1e-40, which is 0 in float32, would be inf and NaN. top_k 0 or -1
     disables top-k. max_tokens None means "until max_model_len". Logprobs are those of the
     model's distribution (before penalties and temperature), the chosen token's plus the
-    `logprobs` most likely ones.
+    `logprobs` most likely ones. `prompt_logprobs=k` scores the prompt the same way: every
+    prompt token but the first (which nothing precedes) gets its own logprob and the k most
+    likely tokens at its position (`RequestOutput.prompt_logprobs`, None first).
     """
 
     n: int = 1
@@ -39,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -79,8 +83,11 @@ class SamplingParams:
             self.max_tokens is not None and self.min_tokens > self.max_tokens
         ):
             raise bad("min_tokens", "must be >= 0 and <= max_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and not (whole and 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], or None")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

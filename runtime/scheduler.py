@@ -4,7 +4,8 @@ Every step hands out one budget of `max_num_batched_tokens` tokens. Each request
 `num_computed_tokens` chases its `num_tokens` (STYLE #8): a prompt is computed in chunks of
 whatever budget is left (chunked prefill is always on), a decoding request needs one token, a
 prefix-cache hit or a forked sibling prompt starts a request part-way, and preemption by
-recompute simply resets `num_computed_tokens` to 0.
+recompute simply resets `num_computed_tokens` to 0. A request whose prompt is scored (prompt
+logprobs) takes no prefix-cache hit until its first token is out: every prompt row must run.
 
 One step may be in flight while the next is scheduled (LLMEngine overlaps the host's work with
 the device's): `schedule()` advances `num_computed_tokens` at once and counts each sampled token
@@ -251,7 +252,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return False
         else:
-            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            # A prompt that must be scored computes every token itself (Request docstring).
+            skip = request.needs_prompt_logprobs
+            hit_ids, num_hit = ([], 0) if skip else self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
             if not self.kv.allocate_slots(request, num_new, hit_ids):
                 return False

@@ -2,7 +2,10 @@
 
 The machine plays the model runner: it checks every scheduled chunk against a shadow of what each
 KV block slot would hold (the salt and token prefix that wrote it), feeds back random sampled
-tokens (sometimes eos), aborts at random, and finally drains everything.
+tokens (sometimes eos), aborts at random, and finally drains everything. For requests that score
+their prompt (prompt logprobs) it plays the engine too: each landed chunk's scores go into the
+request's PromptScores, which must hold every prompt token once, in order, when the first
+token lands, whatever prefix hits, forks and preemptions happened.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from compile_engine.runtime.prompt_logprobs import PromptScores, scored_span
 from compile_engine.runtime.request import Request, RequestStatus
 from compile_engine.runtime.sampling_params import SamplingParams
 from compile_engine.runtime.scheduler import (
@@ -343,6 +347,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count = 0
         self.in_flight: list[tuple[SchedulerOutput, dict[str, int]]] = []
         self.pending: dict[str, list[int]] = {}  # request id -> launched, not landed tokens
+        self.scores: dict[str, PromptScores] = {}  # of the requests that score their prompt
+        self.scored_in_flight: list[dict[str, tuple[int, int]]] = []  # per launched step
 
     def _report(self, finished: list[Request]) -> None:
         for request in finished:
@@ -357,16 +363,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         salt=st.sampled_from([None, "t2"]),
         n=st.integers(1, 3),
         min_tokens=st.integers(0, 2),
+        scored=st.booleans(),
     )
-    def add(self, prompt: list[int], max_tokens: int, salt: str | None, n: int, min_tokens: int):
+    def add(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        salt: str | None,
+        n: int,
+        min_tokens: int,
+        scored: bool,
+    ):
         self.count += 1
         group = f"q{self.count:04d}" if n > 1 else None
         for i in range(n):
             rid = f"q{self.count:04d}-{i}"
             min_tokens = min(min_tokens, max_tokens)
             request = make_request(
-                rid, prompt, max_tokens, salt=salt, group=group, sibling=i, min_tokens=min_tokens
+                rid,
+                prompt,
+                max_tokens,
+                salt=salt,
+                group=group,
+                sibling=i,
+                min_tokens=min_tokens,
+                prompt_logprobs=1 if scored else None,
             )
+            if request.needs_prompt_logprobs:
+                self.scores[rid] = PromptScores(len(prompt))
             if len(prompt) + max_tokens > CONFIG.max_model_len:
                 with pytest.raises(RequestTooLong):
                     self.sched.add_request(request)
@@ -396,8 +420,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out.preempted_ids:
             event("preempted")
         sampled = {}
+        scored = {}
         for s in out.scheduled:
             rid, r = s.request.request_id, s.request
+            if r.needs_prompt_logprobs:
+                if rid not in running_before:
+                    assert s.num_computed_tokens == 0, f"{rid} scores its prompt but took a hit"
+                first, count = scored_span(r, s.num_computed_tokens, s.num_new_tokens)
+                if count:
+                    scored[rid] = (first, count)
+                    event("a chunk scores prompt tokens")
             tokens = future[rid]
             self._run_model(r, tokens, s.num_computed_tokens, s.num_new_tokens, s.block_ids)
             end = s.num_computed_tokens + s.num_new_tokens
@@ -416,16 +448,27 @@ class SchedulerMachine(RuleBasedStateMachine):
             if s.num_computed_tokens and r.num_output_tokens == 0:
                 event("started part-way (prefix hit or fork)")
         self.in_flight.append((out, sampled))
+        self.scored_in_flight.append(scored)
 
     @precondition(lambda self: self.in_flight)
     @rule()
     def land(self) -> None:
         """The oldest launched step's tokens reach the host."""
         out, sampled = self.in_flight.pop(0)
+        for rid, (first, count) in self.scored_in_flight.pop(0).items():
+            if rid in self.scores and rid not in self.reported:
+                if first < len(self.scores[rid].entries):
+                    event("a recompute scores prompt tokens again")
+                self.scores[rid].add(first, list(range(first, first + count)))
         for rid, token in sampled.items():
             if rid in self.pending:  # else it finished while this step was in flight
                 assert self.pending[rid].pop(0) == token
         self._report(self.sched.update_from_output(out, sampled))
+        for rid in sampled:
+            if rid in self.scores and rid not in self.reported:
+                # The engine's outputs wait for this: the first token brings the last scores.
+                scores = self.scores[rid]
+                assert scores.entries == [None, *range(1, scores.num_prompt_tokens)], rid
 
     def _run_model(
         self, request: Request, tokens: list[int], start: int, num_new: int, block_ids: list[int]
