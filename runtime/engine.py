@@ -16,6 +16,7 @@ from compile_engine.runtime.builder import Progress, build_engine
 from compile_engine.runtime.detokenizer import IncrementalDetokenizer
 from compile_engine.runtime.engine_config import TARGETS, EngineConfig, EngineConfigError
 from compile_engine.runtime.model_runner import InFlightStep, TokenLogprobs
+from compile_engine.runtime.prompt_logprobs import PromptScores
 from compile_engine.runtime.request import Request, RequestStatus
 from compile_engine.runtime.sampling_params import SamplingParams
 from compile_engine.runtime.scheduler import SchedulerStats
@@ -50,6 +51,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -71,10 +74,15 @@ class _Group:
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
     arrival_time: float
+    prompt_scores: PromptScores | None  # sibling 0's, which alone scores the shared prompt
 
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.sequences)
+
+    @property
+    def ready(self) -> bool:  # outputs wait for the prompt's scores (the first token brings them)
+        return self.finished or self.prompt_scores is None or self.prompt_scores.complete
 
 
 class LLMEngine:
@@ -171,7 +179,8 @@ class LLMEngine:
         except Exception:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        group = _Group(request_id, text, token_ids, sequences, now)
+        scores = None if params.prompt_logprobs is None else PromptScores(len(token_ids))
+        group = _Group(request_id, text, token_ids, sequences, now, scores)
         self.groups[request_id] = group
         if params.needs_output_history:
             self._needs_history.add(request_id)
@@ -231,6 +240,9 @@ class LLMEngine:
         result = self.runner.collect(flight)
         self.scheduler.update_from_output(step, result.sampled)
         changed: dict[str, _Group] = {}
+        for rid, (first, scores) in result.prompt_logprobs.items():
+            if (entry := self._seq_of.get(rid)) is not None:
+                entry[0].prompt_scores.add(first, scores)
         for rid, token in result.sampled.items():
             entry = self._seq_of.get(rid)
             if entry is None:
@@ -251,7 +263,7 @@ class LLMEngine:
             entry = self._seq_of.get(item.request.request_id)
             if entry is not None and item.request.is_finished:
                 changed[entry[0].request_id] = entry[0]
-        return [self._emit(group) for group in changed.values()]
+        return [self._emit(group) for group in changed.values() if group.ready]
 
     def _emit(self, group: _Group) -> RequestOutput:
         outputs = []
@@ -282,6 +294,7 @@ class LLMEngine:
             self._needs_history.discard(group.request_id)
             for seq in group.sequences:
                 self._seq_of.pop(seq.request.request_id, None)
+        scores = group.prompt_scores.entries if group.prompt_scores is not None else None
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, outputs, finished
+            group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, scores
         )

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,14 +19,25 @@ import torch
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner
 from compile_engine.models.layers import AttentionMetadata
 from compile_engine.models.loader import LoadedModel
-from compile_engine.runtime.sampler import Sampler, SamplingBatch
-from compile_engine.runtime.scheduler import PENDING_TOKEN, SchedulerOutput
+from compile_engine.runtime.prompt_logprobs import scored_span
+from compile_engine.runtime.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    prompt_token_logprobs,
+)
+from compile_engine.runtime.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 # CPU default KV budget, as vLLM's CPU backend: enough for long contexts, small enough for a
 # laptop. Override with num_kv_blocks.
 CPU_KV_BYTES = 4 << 30
+# Prompt rows are scored this many at a time, so that a long prefill chunk of a request asking
+# for prompt logprobs holds [256, V] float32 logits at once (50 MB for a 49k vocabulary, 128 MB
+# for 128k), not [chunk, V]: the size of one step's sampling at max_num_seqs=256, which the KV
+# pool's activation reserve already covers.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -36,6 +47,18 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # most likely first
+    # Prompt tokens only (vLLM's): 1 + how many tokens are more likely; ties count as more.
+    rank: int | None = None
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The rows of a step that score prompt tokens (runtime/prompt_logprobs.py)."""
+
+    rows: np.ndarray  # [R] token rows of the packed batch
+    targets: np.ndarray  # [R] the prompt token each row scores: the one after it
+    chunks: list[tuple[str, int, int, int]]  # (request id, first token scored, count, k)
+    k: int  # the largest k of the chunks
 
 
 @dataclass(slots=True)
@@ -45,6 +68,7 @@ class PreparedInputs:
     meta: AttentionMetadata  # host tensors
     sample_rows: np.ndarray  # [S] the token row of each sampling request
     pending: list[tuple[int, str]]  # (token row, request id) of each pending token
+    prompt_rows: PromptRows | None  # None when no request scores its prompt in this step
 
 
 @dataclass(slots=True)
@@ -56,6 +80,46 @@ class InFlightStep:
     token_ids: torch.Tensor | None  # [S] on the device: inputs of the next step's pending tokens
     host: list[torch.Tensor] | None  # tokens (+ logprobs, top ids, top values) on the host
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU)
+    prompt_rows: PromptRows | None = None
+    prompt_host: list[torch.Tensor] | None = None  # their logprobs, ranks, top ids, top values
+
+
+def _prompt_rows(scheduled: list[ScheduledRequest], starts: np.ndarray) -> PromptRows | None:
+    """Which rows of the packed batch score which prompt tokens; None, after one cheap pass,
+    when no request of the step asked."""
+    if all(it.request.sampling_params.prompt_logprobs is None for it in scheduled):
+        return None
+    rows, targets, chunks = [], [], []
+    for i, it in enumerate(scheduled):
+        request = it.request
+        first, count = scored_span(request, it.num_computed_tokens, it.num_new_tokens)
+        if count:
+            # The chunk's first token (position first - 1) sits at row starts[i].
+            rows.append(np.arange(starts[i], starts[i] + count, dtype=np.int64))
+            targets += request.prompt_token_ids[first : first + count]
+            k = request.sampling_params.prompt_logprobs
+            chunks.append((request.request_id, first, count, k))
+    if not chunks:
+        return None
+    k = max(c[3] for c in chunks)
+    return PromptRows(np.concatenate(rows), np.asarray(targets, dtype=np.int64), chunks, k)
+
+
+def _prompt_entries(
+    plan: PromptRows, host: list[torch.Tensor]
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    chosen, ranks, top_ids, top_vals = (t.tolist() for t in host)
+    targets = plan.targets.tolist()
+    entries: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    row = 0
+    for rid, first, count, k in plan.chunks:
+        scores = []
+        for r in range(row, row + count):
+            top = list(zip(top_ids[r][:k], top_vals[r][:k], strict=True))
+            scores.append(TokenLogprobs(targets[r], chosen[r], top, ranks[r]))
+        entries[rid] = (first, scores)
+        row += count
+    return entries
 
 
 def _all_pending_in_order(inputs: PreparedInputs, previous: InFlightStep | None) -> bool:
@@ -93,6 +157,8 @@ class StepCounters:
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token, for requests that sampled
     logprobs: dict[str, TokenLogprobs]  # for those that asked
+    # request id -> (first prompt token scored, its scores onwards), for those that asked
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 def allocate_kv_caches(
@@ -247,7 +313,12 @@ class ModelRunner:
         )
         # Host tensors: the graph runner copies them itself.
         return PreparedInputs(
-            torch.from_numpy(ids), torch.from_numpy(positions), meta, sample_rows, pending
+            torch.from_numpy(ids),
+            torch.from_numpy(positions),
+            meta,
+            sample_rows,
+            pending,
+            _prompt_rows(scheduled, starts),
         )
 
     def _run_model(
@@ -299,21 +370,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, step: SchedulerOutput, previous: InFlightStep | None = None) -> InFlightStep:
-        """Enqueue the step's model run and sampling on the device and return at once; the
-        sampled tokens are copied to the host in the background (`collect` waits for them).
-        `previous` is the step still in flight, whose sampled tokens feed this step's pending
-        ones."""
+        """Enqueue the step's model run, sampling and prompt scoring on the device and return
+        at once; the results are copied to the host in the background (`collect` waits for
+        them). `previous` is the step still in flight, whose sampled tokens feed this step's
+        pending ones."""
         if not step.scheduled:
             return InFlightStep(step, [], None, None, None)
         inputs = self.prepare(step)
         hidden = self._run_model(self._input_ids(inputs, previous), inputs.positions, inputs.meta)
         sampling = [item.request for item in step.scheduled if item.samples]
-        if not sampling:
+        token_ids = host = prompt_host = None
+        if sampling:
+            out = self._sample(hidden, inputs.sample_rows, sampling)
+            token_ids, host = out.token_ids, [out.token_ids.to("cpu", non_blocking=True)]
+            if out.logprobs is not None:
+                host += [
+                    t.to("cpu", non_blocking=True)
+                    for t in (out.logprobs, out.top_logprob_ids, out.top_logprobs)
+                ]
+        if inputs.prompt_rows is not None:
+            scores = self._score_prompt(hidden, inputs.prompt_rows)
+            prompt_host = [t.to("cpu", non_blocking=True) for t in scores]
+        if not sampling and prompt_host is None:
             return InFlightStep(step, [], None, None, None)
-        if len(inputs.sample_rows) == hidden.shape[0]:
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return InFlightStep(step, sampling, token_ids, host, done, inputs.prompt_rows, prompt_host)
+
+    def _sample(
+        self, hidden: torch.Tensor, sample_rows: np.ndarray, sampling: list
+    ) -> SamplerOutput:
+        if len(sample_rows) == hidden.shape[0]:
             logits = self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
         else:
-            rows = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
+            rows = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],
@@ -326,31 +418,36 @@ class ModelRunner:
             # The scheduler counted this step's own sample as pending already.
             num_output_tokens=[r.num_output_tokens + r.num_pending_tokens - 1 for r in sampling],
         )
-        out = self.sampler(logits, batch)
-        host = [out.token_ids.to("cpu", non_blocking=True)]
-        if out.logprobs is not None:
-            host += [
-                t.to("cpu", non_blocking=True)
-                for t in (out.logprobs, out.top_logprob_ids, out.top_logprobs)
-            ]
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return InFlightStep(step, sampling, out.token_ids, host, done)
+        return self.sampler(logits, batch)
+
+    def _score_prompt(self, hidden: torch.Tensor, plan: PromptRows) -> list[torch.Tensor]:
+        """Logprob, rank and top-k of the prompt tokens `plan` names, PROMPT_LOGPROB_ROWS rows
+        of logits at a time: [R] float32, [R] long, [R, k] long, [R, k] float32."""
+        rows = torch.from_numpy(plan.rows).to(self.device, non_blocking=True)
+        targets = torch.from_numpy(plan.targets).to(self.device, non_blocking=True)
+        n = PROMPT_LOGPROB_ROWS
+        parts = [
+            prompt_token_logprobs(
+                self.model.compute_logits(hidden[rows[a : a + n]]), targets[a : a + n], plan.k
+            )
+            for a in range(0, len(plan.rows), n)
+        ]
+        return [torch.cat(column) for column in zip(*parts, strict=True)]
 
     def collect(self, flight: InFlightStep) -> RunnerOutput:
-        """Wait for a launched step's tokens (the step's one device-to-host sync)."""
-        if not flight.sampling:
+        """Wait for a launched step's results (the step's one device-to-host sync)."""
+        if not flight.sampling and flight.prompt_rows is None:
             return RunnerOutput({}, {})
         if flight.done is not None:
             waited = time.perf_counter()
             flight.done.synchronize()
             self.counters.device_wait_s += time.perf_counter() - waited
-        tokens = flight.host[0].tolist()
-        sampled = {r.request_id: t for r, t in zip(flight.sampling, tokens, strict=True)}
+        sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        if len(flight.host) > 1:
+        if flight.sampling:
+            tokens = flight.host[0].tolist()
+            sampled = {r.request_id: t for r, t in zip(flight.sampling, tokens, strict=True)}
+        if flight.sampling and len(flight.host) > 1:
             chosen, top_ids, top_vals = (t.tolist() for t in flight.host[1:])
             for i, r in enumerate(flight.sampling):
                 k = r.sampling_params.logprobs
@@ -358,7 +455,10 @@ class ModelRunner:
                     continue
                 top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
                 logprobs[r.request_id] = TokenLogprobs(tokens[i], chosen[i], top)
-        return RunnerOutput(sampled, logprobs)
+        prompt = {}
+        if flight.prompt_rows is not None:
+            prompt = _prompt_entries(flight.prompt_rows, flight.prompt_host)
+        return RunnerOutput(sampled, logprobs, prompt)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step synchronously (launch, then collect)."""

@@ -3,7 +3,8 @@
 Order of processing, per row (HF's and vLLM's order, so results can be compared with theirs):
 
  0. logprobs, when any row asked: log_softmax of the *raw* logits in float32, i.e. the
-    model's distribution before penalties and temperature (vLLM's default).
+    model's distribution before penalties and temperature (vLLM's default). Prompt tokens are
+    scored the same way by `prompt_token_logprobs`, on rows that do not sample.
  1. a float32 copy of the logits; nothing below touches the caller's tensor.
  2. penalties: repetition over tokens seen in the prompt or the output (positive logits are
     divided by it, negative ones multiplied), then frequency and presence over OUTPUT tokens
@@ -237,6 +238,21 @@ class Sampler:
         chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_values, top_ids = raw_logprobs.topk(k, dim=-1)
         return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score given tokens (the prompt's next ones) under [R, V] logits, as step 0 scores a
+    sampled token: log_softmax in float32, then the token's logprob [R], its rank [R] (vLLM's:
+    how many tokens are at least as likely, itself included) and the k most likely tokens'
+    ids and logprobs [R, k]. The token's logprob and the top values come from one tensor, so a
+    token that is the most likely equals the top value exactly (lm-eval's is_greedy test)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
+    rank = (logprobs >= chosen).sum(dim=-1)
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return chosen.squeeze(1), rank, top_ids, top_values
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
