@@ -221,6 +221,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="the names the model answers to (default: MODEL); responses carry the first",
     )
     serve.add_argument("--max-waiting", type=int, default=1024)
+    # Connection limits (docs/server.md, "Limits"); vLLM's name for the keep-alive one.
+    serve.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=10.0,
+        help="seconds a client has to send a request's headers (default 10)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds a client has to send a request's body after its headers (default 30)",
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=_seconds,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=None,
+        help="open connections beyond which new ones get 503 (default 1024, or fewer if the "
+        "open-file limit leaves fewer)",
+    )
+    serve.add_argument(
+        "--tokenizer-workers",
+        type=_positive_int,
+        default=2,
+        help="threads that tokenize requests, each with its own tokenizer copy (default 2)",
+    )
     serve.set_defaults(func=_serve)
 
     build = add_parser("build", help="compile a model into an artifact directory")
@@ -270,6 +302,26 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0 to 65535)")
     return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return value
 
 
 def _log_level(args: argparse.Namespace) -> int:

@@ -25,10 +25,12 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from prometheus_client.registry import Collector
 
 from compile_engine.runtime.engine import LLMEngine, RequestOutput
 from compile_engine.runtime.metrics import ServerMetrics
@@ -81,13 +83,18 @@ class _CycleResult:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, model_name: str = "model") -> None:
+    def __init__(
+        self, engine: LLMEngine, model_name: str = "model", collectors: Iterable[Collector] = ()
+    ) -> None:
+        """`collectors`: more metrics for `self.metrics` (the server's HTTP side)."""
         self.engine = engine
         self.model_name = model_name
         self.stats: SchedulerStats | None = engine.stats()  # snapshot from the engine thread
         # The runner's step counters, copied in the engine thread after each cycle.
         self.counters = dataclasses.replace(engine.runner.counters)
-        self.metrics = ServerMetrics(model_name, lambda: self.stats, lambda: self.counters)
+        self.metrics = ServerMetrics(
+            model_name, lambda: self.stats, lambda: self.counters, collectors
+        )
         self.dead: BaseException | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._requests: dict[str, _Tracked] = {}
@@ -116,8 +123,10 @@ class AsyncLLM:
         self._executor.shutdown(wait=True)
 
     async def run_in_engine_thread(self, fn: Callable[[], _T]) -> _T:
-        """Run `fn` in the engine's thread between two cycles: tokenizer work goes there so that
-        one tokenizer is never used from two threads at once."""
+        """Run `fn` in the engine's thread between two cycles: what must touch the engine or
+        its own tokenizer (the server's start-up: the token-text table, the tokenizer pool's
+        copies). A request's tokenizer work goes to the server's tokenizer pool instead, which
+        never delays a step."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     @property

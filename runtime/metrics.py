@@ -7,12 +7,15 @@ by a custom collector, instead of being pushed every step: the snapshot is taken
 thread after each step, so a scrape never touches the (not thread-safe) scheduler. The
 `engine_*` counters are ours (vLLM has no such names), read the same way from the runner's
 `StepCounters`: steps, their tokens, how many replayed a CUDA graph, the engine thread's time in
-step() and how much of it waited for the device.
+step() and how much of it waited for the device. The HTTP side's are ours too (`HTTPCollector`):
+open connections, connections dropped by the server's limits by reason, and tokenizer jobs in
+flight, read at scrape time from the app's counters (all changed on the event loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -103,17 +106,60 @@ class _SchedulerCollector(Collector):
         )
 
 
+@dataclass(slots=True)
+class HTTPStats:
+    """The HTTP side of one server at scrape time."""
+
+    open_connections: int
+    dropped: dict[str, int]  # reason -> connections the server's limits dropped
+    tokenizer_pending: int  # tokenizer jobs queued or running
+
+
+class HTTPCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], HTTPStats]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        name = self._model_name
+        connections = GaugeMetricFamily(
+            PREFIX + "http_connections", "Open client connections.", labels=["model_name"]
+        )
+        connections.add_metric([name], stats.open_connections)
+        yield connections
+        dropped = CounterMetricFamily(
+            PREFIX + "http_connections_dropped",
+            "Connections the server dropped: a timeout (header, body, keep-alive) or the cap.",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in stats.dropped.items():
+            dropped.add_metric([name, reason], count)
+        yield dropped
+        pending = GaugeMetricFamily(
+            PREFIX + "tokenizer_pool_pending",
+            "Tokenizer jobs queued or running.",
+            labels=["model_name"],
+        )
+        pending.add_metric([name], stats.tokenizer_pending)
+        yield pending
+
+
 class ServerMetrics:
-    """The metric set of one server. `observe_*` are called on the event loop."""
+    """The metric set of one server. `observe_*` are called on the event loop. `collectors`:
+    more metrics read at scrape time (the server's HTTPCollector)."""
 
     def __init__(
         self,
         model_name: str,
         stats: Callable[[], SchedulerStats | None],
         counters: Callable[[], StepCounters | None],
+        collectors: Iterable[Collector] = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_SchedulerCollector(model_name, stats, counters))
+        for collector in collectors:
+            self.registry.register(collector)
         labels = ["model_name"]
 
         def counter(name: str, doc: str) -> Counter:

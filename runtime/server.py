@@ -14,11 +14,18 @@ unexpected exception is logged with its traceback and answered with a bare 500. 
 `AsyncLLM` (runtime/async_engine.py); a handler that is cancelled (the client went away) or whose
 stream write fails aborts its requests, which frees their KV blocks before the next step.
 
-The event loop never calls the tokenizer: the engine's detokenizer uses it on the engine thread,
-and a fast tokenizer must not be used from two threads at once. Chat templates, /tokenize,
-/detokenize and the text echo shows of a token-id prompt run there through
-`AsyncLLM.run_in_engine_thread`; the text of single tokens (logprobs, echoed prompt tokens) is
-read from a table of the whole vocabulary that the engine thread decodes once at start-up.
+The event loop and the engine thread never tokenize a request: prompts, chat templates, /tokenize,
+/detokenize and the text echo shows of a token-id prompt run on a small pool of tokenizer
+threads, each with its own copy of the tokenizer (runtime/tokenizer_pool.py; a fast tokenizer
+must not be used from two threads at once, and the engine's detokenizer keeps the engine's own on
+the engine thread), and the engine gets token ids. A text whose size alone proves that it cannot
+fit in max_model_len is refused before it is tokenized. The text of single tokens (logprobs,
+echoed prompt tokens) is read from a table of the whole vocabulary that the engine thread decodes
+once at start-up.
+
+Each connection is watched (runtime/server_connections.py): headers, body and keep-alive idle
+time are bounded, and so is the number of open connections; `serve` and `start_site` serve
+through that watch.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from compile_engine.compiler.artifact import ENGINE_VERSION
 from compile_engine.runtime import server_anthropic, server_responses
 from compile_engine.runtime.async_engine import AsyncLLM
 from compile_engine.runtime.engine import EngineConfig, LLMEngine
-from compile_engine.runtime.metrics import CONTENT_TYPE
+from compile_engine.runtime.metrics import CONTENT_TYPE, HTTPCollector, HTTPStats
 from compile_engine.runtime.progress import start_engine
 from compile_engine.runtime.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from compile_engine.runtime.server_common import (
@@ -55,14 +62,28 @@ from compile_engine.runtime.server_common import (
     token_texts,
     too_large_message,
 )
+from compile_engine.runtime.server_connections import (
+    FILE_RESERVE,
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedSite,
+    LimitsError,
+    default_max_connections,
+    file_limit,
+)
 from compile_engine.runtime.server_openai import chat_completions, chat_prompt, completions
+from compile_engine.runtime.tokenizer_pool import TokenizerPool, bytes_per_token, encode
 
 log = logging.getLogger(__name__)
 
 # On SIGTERM in-flight requests get this long to finish before they are cancelled (and aborted).
 SHUTDOWN_GRACE_S = 10.0
 
+# Threads that tokenize requests, each with its own copy of the tokenizer (~0.1 s to make).
+DEFAULT_TOKENIZER_WORKERS = 2
+
 ASYNC_LLM = web.AppKey("async_llm", AsyncLLM)
+GUARD = web.AppKey("connection_guard", ConnectionGuard)
 
 
 def build_app(
@@ -71,26 +92,48 @@ def build_app(
     served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ConnectionLimits | None = None,
+    tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS,
 ) -> web.Application:
     """The aiohttp app serving `engine`; it starts and stops its AsyncLLM with the app.
     served_model_name: the name, or names, a request's `model` may give (responses carry the
-    first, as vLLM's do); default the engine's model."""
+    first, as vLLM's do); default the engine's model. `limits`: what a connection may take
+    (default ConnectionLimits()); they apply where `serve` or `start_site` serves the app."""
+    if tokenizer_workers < 1:
+        raise ValueError(f"tokenizer_workers must be >= 1, got {tokenizer_workers}")
     names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
     state = State(engine, names or [engine.config.model], api_key or None, max_body_bytes)
+    guard = ConnectionGuard(limits or ConnectionLimits(), max_body_bytes)
     # client_max_size is the backstop; read_json refuses by Content-Length before reading.
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
+    app = web.Application(
+        middlewares=[guard.middleware(), _errors, _auth], client_max_size=max_body_bytes
+    )
     app[STATE] = state
+    app[GUARD] = guard
+
+    def http_stats() -> HTTPStats:
+        pending = state.tokenizers.pending if state.tokenizers is not None else 0
+        return HTTPStats(guard.open, dict(guard.dropped), pending)
+
+    def tokenizer_setup() -> tuple[list[str], TokenizerPool, int | None]:
+        # On the engine thread, the one that uses engine.tokenizer.
+        texts = token_texts(engine)
+        pool = TokenizerPool.build(engine.tokenizer, tokenizer_workers)
+        return texts, pool, bytes_per_token(engine.tokenizer, texts)
 
     async def engine_lifecycle(app: web.Application):
-        llm = AsyncLLM(engine, state.model_name)
+        llm = AsyncLLM(
+            engine, state.model_name, collectors=[HTTPCollector(state.model_name, http_stats)]
+        )
         await llm.start()
         if engine.tokenizer is not None:
-            state.token_texts = await llm.run_in_engine_thread(
-                functools.partial(token_texts, engine)
-            )
+            setup = await llm.run_in_engine_thread(tokenizer_setup)
+            state.token_texts, state.tokenizers, state.bytes_per_token = setup
         state.llm = app[ASYNC_LLM] = llm
         yield
         await llm.shutdown()
+        if state.tokenizers is not None:
+            state.tokenizers.shutdown()
 
     app.cleanup_ctx.append(engine_lifecycle)
     app.router.add_post("/v1/completions", completions)
@@ -216,14 +259,21 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=llm.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def _encode(state: State, req: TokenizeRequest) -> list[int]:
+def _encode(state: State, req: TokenizeRequest, tokenizer) -> list[int]:
+    """/tokenize's tokens, on a tokenizer thread. A text that cannot fit in max_model_len is
+    refused (room 0: a context may fill it); one that fits is returned whatever its count."""
+    check = functools.partial(state.check_text, room=0)
     if req.messages is not None:
         messages = [m.template_dict() for m in req.messages]
         return chat_prompt(
-            state.engine.tokenizer, messages, req.add_generation_prompt, req.chat_template_kwargs
+            tokenizer,
+            messages,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            functools.partial(check, param="messages"),
         )
-    tokens = state.engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return [int(t) for t in tokens]
+    check(req.prompt, param="prompt")
+    return encode(tokenizer, req.prompt, req.add_special_tokens)
 
 
 async def _tokenize(request: web.Request) -> web.Response:
@@ -234,7 +284,9 @@ async def _tokenize(request: web.Request) -> web.Response:
         raise APIError(400, "send exactly one of prompt or messages", param="prompt")
     if state.engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
-    tokens = await state.async_llm().run_in_engine_thread(functools.partial(_encode, state, req))
+    if req.prompt is not None:
+        state.check_text(req.prompt, "prompt", room=0, utf8=False)
+    tokens = await state.tokenize(functools.partial(_encode, state, req))
     body = {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
     return web.json_response(body)
 
@@ -248,9 +300,7 @@ async def _detokenize(request: web.Request) -> web.Response:
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     if state.engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
-    text = await state.async_llm().run_in_engine_thread(
-        functools.partial(state.engine.tokenizer.decode, req.tokens)
-    )
+    text = await state.tokenize(lambda tokenizer: state.tokenizers.decode(tokenizer, req.tokens))
     return web.json_response({"prompt": text})
 
 
@@ -282,6 +332,28 @@ class ServerError(RuntimeError):
     """The server cannot start as asked; the message says what to change."""
 
 
+async def start_site(
+    app: web.Application, sock: socket.socket, *, shutdown_timeout: float = SHUTDOWN_GRACE_S
+) -> web.AppRunner:
+    """Start `app` (its engine and tokenizer pool) and serve it on `sock` (from `bind`), each
+    connection watched by the app's ConnectionGuard; `runner.cleanup()` stops it, giving
+    in-flight requests `shutdown_timeout` seconds."""
+    guard = app[GUARD]
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_timeout,
+        **guard.runner_options(),
+    )
+    await runner.setup()
+    try:
+        await GuardedSite(runner, sock, guard).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
 async def serve(
     app: web.Application,
     host: str,
@@ -292,12 +364,16 @@ async def serve(
 ) -> int:
     """Serve until SIGTERM or SIGINT, then stop accepting, let in-flight requests finish for up
     to `grace_s` (the rest are cancelled, which aborts them) and return 0. `sock`: a socket
-    `bind` returned (host and port then only name it)."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=grace_s)
-    await runner.setup()
+    `bind` returned (host and port then only name it); without one, `serve` binds its own."""
+    own = sock is None
+    sock = bind(host, port) if own else sock
     try:
-        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
-        await site.start()
+        runner = await start_site(app, sock, shutdown_timeout=grace_s)
+    except BaseException:
+        if own:
+            sock.close()
+        raise
+    try:
         for address in runner.addresses:
             host_, port_ = address[:2]
             print(f"serving {app[STATE].model_name} on http://{host_}:{port_}", file=sys.stderr)
@@ -310,6 +386,8 @@ async def serve(
         print(message, file=sys.stderr)
     finally:
         await runner.cleanup()
+        if own:
+            sock.close()
     return 0
 
 
@@ -319,6 +397,7 @@ def main(args: argparse.Namespace) -> int:
     from compile_engine.runtime.engine_args import engine_kwargs
 
     config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
+    limits = connection_limits(args)
     sock = bind(args.host, args.port)
     try:
         engine = start_engine(config)
@@ -326,7 +405,33 @@ def main(args: argparse.Namespace) -> int:
             engine,
             served_model_name=args.served_model_name or [args.model],
             api_key=args.api_key or os.environ.get("COMPILE_ENGINE_API_KEY"),
+            limits=limits,
+            tokenizer_workers=args.tokenizer_workers,
         )
         return asyncio.run(serve(app, args.host, args.port, sock=sock))
     finally:
         sock.close()
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The limits `compile-engine serve`'s flags ask for; ServerError if they cannot work."""
+    max_connections = args.max_connections
+    if max_connections is None:
+        max_connections = default_max_connections()
+    elif max_connections > file_limit() - FILE_RESERVE:
+        raise ServerError(
+            f"--max-connections {max_connections} is more than the open-file limit "
+            f"(ulimit -n {file_limit()}) leaves for connections ({file_limit() - FILE_RESERVE}); "
+            "raise the limit or lower --max-connections"
+        )
+    if args.tokenizer_workers < 1:
+        raise ServerError(f"--tokenizer-workers must be >= 1, got {args.tokenizer_workers}")
+    try:
+        return ConnectionLimits(
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_timeout_s=args.timeout_keep_alive,
+            max_connections=max_connections,
+        )
+    except LimitsError as exc:
+        raise ServerError(str(exc)) from None

@@ -1,8 +1,10 @@
 """What every route of the server shares: the app's state, reading a request's JSON body, the
-model check, and the errors that more than one module raises.
+model check, the prompt length checks, and the errors that more than one module raises.
 
-The event loop never calls the tokenizer (runtime/server.py says why); `State.token_text` reads
-the table of single-token texts that `token_texts` builds on the engine thread at start-up.
+The event loop never calls the tokenizer (runtime/server.py says why): tokenizer work runs on the
+state's TokenizerPool (runtime/tokenizer_pool.py), and `State.token_text` reads the table of
+single-token texts that `token_texts` builds on the engine thread at start-up. A text whose size
+alone proves that it cannot fit in max_model_len is refused before anything tokenizes it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -17,7 +20,13 @@ from pydantic import BaseModel, ValidationError
 
 from compile_engine.runtime.async_engine import AsyncLLM
 from compile_engine.runtime.engine import LLMEngine
-from compile_engine.runtime.protocol import APIError, refuse_unsupported, validation_error
+from compile_engine.runtime.protocol import (
+    MAX_PROMPTS,
+    APIError,
+    refuse_unsupported,
+    validation_error,
+)
+from compile_engine.runtime.tokenizer_pool import TokenizerPool, encode, min_tokens
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # JSON can escape a lone UTF-16 surrogate ("\ud800"), which json.loads turns into a str that no
@@ -26,6 +35,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 STATE = web.AppKey("state", "State")
 _M = TypeVar("_M", bound=BaseModel)
+_T = TypeVar("_T")
 
 
 class State:
@@ -40,9 +50,12 @@ class State:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        # Both set by the app's start-up, on the running loop and the engine thread.
+        # Set by the app's start-up, on the running loop and the engine thread.
         self.llm: AsyncLLM | None = None
         self.token_texts: list[str] = []
+        self.tokenizers: TokenizerPool | None = None
+        # At most how many bytes of text one token stands for (None: no sound bound).
+        self.bytes_per_token: int | None = None
 
     def async_llm(self) -> AsyncLLM:
         """The running AsyncLLM; a 503 before the app has started it."""
@@ -53,6 +66,93 @@ class State:
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own, what logprobs report."""
         return self.token_texts[token_id]
+
+    async def tokenize(self, fn: Callable[[Any], _T]) -> _T:
+        """`fn(tokenizer)` on a tokenizer thread; a 400 for a model without a tokenizer."""
+        if self.tokenizers is None:
+            raise APIError(400, "this model has no tokenizer")
+        return await self.tokenizers.run(fn)
+
+    def check_text(self, text: str, param: str, *, room: int = 1, utf8: bool = True) -> None:
+        """Refuse `text` if its size alone proves it is more than max_model_len - `room`
+        tokens (room 1: a prompt must leave a token to generate). Its characters always (O(1),
+        for the event loop); with `utf8` its UTF-8 bytes too (O(n), for a tokenizer thread)."""
+        if self.bytes_per_token is None:
+            return
+        self._check_size(len(text), "characters", param, room)
+        if utf8:
+            self._check_size(len(text.encode(errors="surrogatepass")), "bytes", param, room)
+
+    def _check_size(self, size: int, unit: str, param: str, room: int) -> None:
+        least = min_tokens(size, self.bytes_per_token)
+        limit = self.engine.max_model_len
+        if least > limit - room:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens, and {param} is "
+                f"{size:,} {unit}, at least {least:,} tokens; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_prompt_lists(self, body: dict[str, Any]) -> None:
+        """Before a completions body is validated: refuse a token-id prompt (or a batch's) of
+        max_model_len ids or more by its length alone. Validating millions of ids against the
+        prompt's union of types holds the GIL for seconds (2M ids: 0.95 s), stalling the engine
+        thread; a list longer than a batch can be is a token-id prompt or invalid."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            return
+        if len(prompt) > MAX_PROMPTS:
+            if type(prompt[0]) is int:
+                self.check_prompt_tokens(len(prompt), "prompt")
+            return
+        for item in prompt:
+            if isinstance(item, list):
+                self.check_prompt_tokens(len(item), "prompt")
+
+    def check_prompt_tokens(self, num_tokens: int, param: str) -> None:
+        """Refuse a prompt that leaves no token to generate, before the engine sees it: the
+        engine would refuse it too, after O(prompt) work on its thread."""
+        limit = self.engine.max_model_len
+        if num_tokens >= limit:
+            raise APIError(
+                400,
+                f"the prompt has {num_tokens:,} tokens, which leaves no room to generate within "
+                f"max_model_len={limit}; shorten the prompt to at most {limit - 1} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def completion_prompts(
+        self, prompts: list[str | list[int]], echo: bool
+    ) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's token ids (strings encoded with special tokens, as the engine would)
+        and, with `echo`, its text (token ids decoded), from one job on a tokenizer thread."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_text(prompt, "prompt", utf8=False)
+            else:
+                self.check_prompt_tokens(len(prompt), "prompt")
+        if not echo and not any(isinstance(p, str) for p in prompts):
+            return [list(p) for p in prompts], []
+
+        def job(tokenizer: Any) -> tuple[list[list[int]], list[str]]:
+            ids, texts = [], []
+            for prompt in prompts:
+                if isinstance(prompt, str):
+                    self.check_text(prompt, "prompt")
+                    ids.append(encode(tokenizer, prompt, add_special_tokens=True))
+                    texts.append(prompt)
+                else:
+                    ids.append(list(prompt))
+                    texts.append(self.tokenizers.decode(tokenizer, prompt) if echo else "")
+            return ids, texts
+
+        ids, texts = await self.tokenize(job)
+        for prompt_ids in ids:
+            self.check_prompt_tokens(len(prompt_ids), "prompt")
+        return ids, texts if echo else []
 
 
 def token_texts(engine: LLMEngine) -> list[str]:
@@ -78,8 +178,13 @@ def too_large_message(limit: int) -> str:
     return f"the request body is larger than the server's limit of {limit} bytes"
 
 
-async def read_json(request: web.Request, model: type[_M]) -> _M:
-    """The body as `model`: a 413 beyond the size limit, a 400 naming the field otherwise."""
+async def read_json(
+    request: web.Request,
+    model: type[_M],
+    precheck: Callable[[dict[str, Any]], None] | None = None,
+) -> _M:
+    """The body as `model`: a 413 beyond the size limit, a 400 naming the field otherwise.
+    `precheck` sees the parsed object before it is validated."""
     state = request.app[STATE]
     limit = state.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
@@ -94,6 +199,8 @@ async def read_json(request: web.Request, model: type[_M]) -> _M:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    if precheck is not None:
+        precheck(body)
     if _SURROGATE_ESCAPE.search(raw):
         _refuse_lone_surrogates(body)
     refuse_unsupported(body, model)

@@ -2,9 +2,10 @@
 full or streamed over SSE, with logprobs in each endpoint's own shape.
 
 A request becomes SamplingParams here (OpenAI's fields and vLLM's extras, docs/server.md); its
-prompts run as one `Run` (runtime/server_stream.py). The tokenizer work a request needs (a chat
-template, the text echo shows of a token-id prompt) runs on the engine thread; token texts come
-from the app state's table, never from the tokenizer on the event loop.
+prompts run as one `Run` (runtime/server_stream.py). The tokenizer work a request needs (its
+prompts' token ids, a chat template, the text echo shows of a token-id prompt) runs on the
+state's tokenizer threads, and the engine gets token ids; token texts come from the app state's
+table, never from the tokenizer on the event loop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +36,7 @@ from compile_engine.runtime.server_stream import (
     total_usage,
     usage_chunk,
 )
+from compile_engine.runtime.tokenizer_pool import encode
 
 # Temperatures this small are greedy in effect, and dividing logits by them overflows.
 _GREEDY_EPS = 1e-5
@@ -132,15 +135,9 @@ def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, 
     return {key: first[key] + second[key] for key in first}
 
 
-def _echo_texts(tokenizer, prompts: list[str | list[int]]) -> list[str]:
-    """What echo shows of each prompt: a string as sent, token ids as the tokenizer decodes
-    them. Run on the engine thread."""
-    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = await read_json(request, CompletionRequest)
+    req = await read_json(request, CompletionRequest, state.check_prompt_lists)
     check_model(state, req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
@@ -169,15 +166,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     llm = state.async_llm()
-    echo_texts: list[str] = []
-    if req.echo:
-        if all(isinstance(p, str) for p in prompts):
-            echo_texts = prompts
-        else:
-            echo = functools.partial(_echo_texts, tokenizer, prompts)
-            echo_texts = await llm.run_in_engine_thread(echo)
+    # echo_texts: what echo shows of each prompt, a string as sent, token ids decoded.
+    prompt_ids, echo_texts = await state.completion_prompts(prompts, req.echo)
     run = Run(llm, response_id, len(prompts))
-    await run.start(prompts, params, req.cache_salt)
+    await run.start(prompt_ids, params, req.cache_salt)
     head = {"id": response_id, "object": "text_completion", "created": created}
     head["model"] = state.model_name
 
@@ -250,23 +242,26 @@ def chat_prompt(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     variables: dict[str, Any] | None = None,
+    check: Callable[[str], None] | None = None,
 ) -> list[int]:
-    """The prompt's token ids; `variables` (chat_template_kwargs) reach the template. Run on
-    the engine thread (also for /tokenize)."""
+    """The prompt's token ids; `variables` (chat_template_kwargs) reach the template. Run on a
+    tokenizer thread (also for /tokenize). The template's text is rendered first and passed to
+    `check` (State.check_text) before it is tokenized, as apply_chat_template(tokenize=True)
+    tokenizes it: without adding special tokens."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
             **(variables or {}),
         )  # fmt: skip
     except Exception as exc:  # jinja raises for conversations the template refuses
         raise APIError(
             400, f"the chat template rejected the messages: {exc}", param="messages"
         ) from None
-    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    if check is not None:
+        check(text)
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 def _chat_logprobs(state: State, entries: list[TokenLogprobs], k: int) -> list[dict[str, Any]]:
@@ -302,12 +297,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = [m.template_dict() for m in req.messages]
     template = functools.partial(
         chat_prompt,
-        state.engine.tokenizer,
-        messages,
-        req.add_generation_prompt,
-        req.chat_template_kwargs,
+        messages=messages,
+        add_generation_prompt=req.add_generation_prompt,
+        variables=req.chat_template_kwargs,
+        check=functools.partial(state.check_text, param="messages"),
     )
-    prompt = await llm.run_in_engine_thread(template)
+    prompt = await state.tokenize(template)
+    state.check_prompt_tokens(len(prompt), "messages")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = Run(llm, response_id, 1)
     await run.start([prompt], params, req.cache_salt)

@@ -12,7 +12,7 @@ from typing import TypeVar
 import httpx
 from aiohttp import web
 
-from compile_engine.runtime.server import ASYNC_LLM
+from compile_engine.runtime.server import ASYNC_LLM, bind, start_site
 
 _T = TypeVar("_T")
 
@@ -53,28 +53,30 @@ class RunningServer:
 
 
 class ServerThread:
-    """An aiohttp app served from its own event loop on a background thread."""
+    """An aiohttp app served as `compile-engine serve` serves it (runtime/server.py's
+    start_site: every connection watched by the app's limits), from its own event loop on a
+    background thread."""
 
     def __init__(self, app: web.Application) -> None:
         self.app = app
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner: web.AppRunner | None = None
+        self.sock = bind("127.0.0.1", 0)
 
     def start(self) -> int:
         self.thread.start()
         return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
 
     async def _start(self) -> int:
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=5)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return self.runner.addresses[0][1]
+        self.runner = await start_site(self.app, self.sock, shutdown_timeout=5)
+        return self.sock.getsockname()[1]
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.sock.close()
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:

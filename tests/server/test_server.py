@@ -145,25 +145,33 @@ def test_tokenize_detokenize(http):
     assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
 
 
-def test_the_tokenizer_runs_on_the_engine_thread_only(server, client, http, monkeypatch):
-    """Fast tokenizers must not be used from two threads at once, and the engine thread's
-    detokenizer uses it: every endpoint's tokenizer work (templates, prompts, logprob and echo
-    text, /tokenize, /detokenize) happens on that thread too, never on the event loop."""
-    tokenizer = server.engine.tokenizer
-    engine_thread = server.in_engine_thread(threading.get_ident)
-    calls: list[tuple[str, int]] = []
+def test_tokenizer_work_runs_on_the_pool_each_copy_on_one_thread(server, client, http, monkeypatch):
+    """A request's tokenizer work (prompts, templates, echo text, /tokenize, /detokenize) runs on
+    the tokenizer pool's threads, each using only its own copy (a fast tokenizer must not be used
+    from two threads at once); the engine gets token ids, so its own tokenizer only decodes, for
+    its detokenizer, on the engine thread; the event loop uses none (issue 31)."""
+    from compile_engine.runtime.server_common import STATE
 
-    def spy(name: str):
-        real = getattr(tokenizer, name)
+    pool = server.app[STATE].tokenizers
+    engine_thread = server.in_engine_thread(threading.get_ident)
+    owners = {"engine": server.engine.tokenizer}
+    owners |= {f"copy {i}": t for i, t in enumerate(pool.tokenizers)}
+    assert len({id(t) for t in owners.values()}) == len(owners)
+    calls: list[tuple[str, str, int, str]] = []
+
+    def spy(owner: str, name: str):
+        real = getattr(owners[owner], name)
 
         def call(*args, **kwargs):
-            calls.append((name, threading.get_ident()))
+            thread = threading.current_thread()
+            calls.append((owner, name, thread.ident, thread.name))
             return real(*args, **kwargs)
 
         return call
 
-    for name in ("encode", "decode", "batch_decode", "apply_chat_template"):
-        monkeypatch.setattr(tokenizer, name, spy(name))
+    for owner, tokenizer in owners.items():
+        for name in ("encode", "decode", "batch_decode", "apply_chat_template"):
+            monkeypatch.setattr(tokenizer, name, spy(owner, name))
     kwargs = dict(model=MODEL_NAME, max_tokens=3, temperature=0, logprobs=2, echo=True)
     for prompt, stream in [("Spy on me", False), ([504, 3209], False), ([504, 3209], True)]:
         list(client.completions.create(prompt=prompt, stream=stream, **kwargs))
@@ -174,8 +182,16 @@ def test_the_tokenizer_runs_on_the_engine_thread_only(server, client, http, monk
     http.post("/tokenize", json={"messages": PARIS}).raise_for_status()
     http.post("/detokenize", json={"tokens": [504, 3209]}).raise_for_status()
     monkeypatch.undo()
-    assert {"encode", "decode", "apply_chat_template"} <= {name for name, _ in calls}
-    assert {thread for _, thread in calls} == {engine_thread}
+    engine_calls = [c for c in calls if c[0] == "engine"]
+    pool_calls = [c for c in calls if c[0] != "engine"]
+    assert {name for _, name, _, _ in engine_calls} == {"decode"}
+    assert {thread for _, _, thread, _ in engine_calls} == {engine_thread}
+    assert {"encode", "decode", "apply_chat_template"} <= {name for _, name, _, _ in pool_calls}
+    assert all(name.startswith("tokenizer") for _, _, _, name in pool_calls)
+    threads_of: dict[str, set[int]] = {}
+    for owner, _, thread, _ in pool_calls:
+        threads_of.setdefault(owner, set()).add(thread)
+    assert all(len(threads) == 1 for threads in threads_of.values()), threads_of
 
 
 def test_metrics_names(http):
