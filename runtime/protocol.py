@@ -82,6 +82,8 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    # vLLM's: score the prompt, each token with its logprob and this many alternatives.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("stream_options")
     @classmethod
@@ -92,6 +94,18 @@ class _SamplingFields(_Model):
                 "stream_options", "stream_options needs stream: true; leave it out otherwise"
             )
         return options
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # As vLLM: a stream has no place for them (0 asks for none, so it passes).
+        if value and info.data.get("stream"):
+            raise PydanticCustomError(
+                "prompt_logprobs_stream",
+                "prompt_logprobs are not available with stream: true; leave them out, or use "
+                "echo with logprobs on /v1/completions, whose first chunk carries the prompt's",
+            )
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -113,7 +127,6 @@ _UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),

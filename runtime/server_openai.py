@@ -34,6 +34,7 @@ from compile_engine.runtime.server_stream import (
     collect,
     stream,
     total_usage,
+    usage,
     usage_chunk,
 )
 from compile_engine.runtime.tokenizer_pool import encode
@@ -96,19 +97,29 @@ def _finite(logprob: float) -> float:
 
 
 def _completion_logprobs(
-    state: State, entries: list[TokenLogprobs], offset: int
+    state: State,
+    token_ids: list[int],
+    entries: list[TokenLogprobs | None],
+    offset: int,
+    k: int,
 ) -> tuple[dict[str, Any], int]:
-    """OpenAI's legacy completions logprobs for `entries`; returns it and the next offset."""
+    """OpenAI's legacy completions logprobs of `token_ids`, whose scores are `entries` (None:
+    a token without one, the prompt's first), each with its `k` most likely alternatives plus
+    itself; returns it and the text offset after it."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for entry in entries:
-        text = state.token_text(entry.token_id)
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = state.token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(_finite(entry.logprob))
-        top = {state.token_text(t): _finite(lp) for t, lp in entry.top}
-        top.setdefault(text, _finite(entry.logprob))
-        top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_finite(entry.logprob))
+        top = {state.token_text(t): _finite(lp) for t, lp in entry.top[:k]}
+        top.setdefault(text, _finite(entry.logprob))
+        top_logprobs.append(top)
     body = {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -118,17 +129,100 @@ def _completion_logprobs(
     return body, offset
 
 
-def _echo_logprobs(state: State, prompt_token_ids: list[int]) -> tuple[dict[str, Any], int]:
-    """The prompt's part of echoed logprobs: tokens without logprobs (the engine computes no
-    prompt logprobs), so clients that zip the lists still line up."""
-    tokens = [state.token_text(t) for t in prompt_token_ids]
-    offsets, offset = [], 0
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    none = [None] * len(tokens)
-    body = {"tokens": tokens, "token_logprobs": none, "top_logprobs": none, "text_offset": offsets}
-    return body, offset
+def _generated_logprobs(
+    state: State, entries: list[TokenLogprobs], offset: int, k: int
+) -> tuple[dict[str, Any], int]:
+    return _completion_logprobs(state, [e.token_id for e in entries], entries, offset, k)
+
+
+def _echo_logprobs(state: State, out: RequestOutput, k: int) -> tuple[dict[str, Any], int]:
+    """The prompt's part of echoed logprobs, as vLLM answers it: every prompt token scored
+    (echo with logprobs asks the engine for prompt logprobs) but the first, which nothing
+    precedes: its logprob and top_logprobs are null."""
+    scores = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    return _completion_logprobs(state, out.prompt_token_ids, scores, 0, k)
+
+
+def _prompt_logprobs_body(
+    state: State, scores: list[TokenLogprobs | None]
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token null (the first) or, by token id, the
+    token itself and its most likely alternatives as {logprob, rank, decoded_token}."""
+
+    def item(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text}
+
+    body: list[dict[str, Any] | None] = []
+    for entry in scores:
+        if entry is None:
+            body.append(None)
+            continue
+        by_id = {str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (t, lp) in enumerate(entry.top, 1):
+            by_id.setdefault(str(t), item(t, lp, rank))
+        body.append(by_id)
+    return body
+
+
+def _prompt_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the answer is the prompt and, with logprobs, its scores (vLLM's
+    and the legacy OpenAI API's way to score a text). The engine still samples one token to
+    finish the request; the answer leaves it out, from text, logprobs and usage alike."""
+    return req.echo and req.max_tokens == 0
+
+
+def _completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            400,
+            "max_tokens=0 generates nothing: it scores the prompt only, with echo: true (and "
+            "logprobs for the scores); otherwise send max_tokens >= 1",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs  # as vLLM: echoed logprobs score the prompt too
+    return _sampling_params(
+        req,
+        vocab_size,
+        max_tokens=1 if _prompt_only(req) else req.max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _finish(req: CompletionRequest, c: CompletionOutput) -> tuple[str | None, int | str | None]:
+    """A choice's finish_reason and stop_reason; a prompt-only one ends at its length."""
+    if _prompt_only(req):
+        return ("length" if c.finish_reason is not None else None), None
+    return c.finish_reason, c.stop_reason
+
+
+def _completion_choice(
+    state: State,
+    req: CompletionRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+    echo: str,
+    index: int,
+) -> dict[str, Any]:
+    """One choice of a full answer; `echo` is the prompt's text when echo is on, else ""."""
+    prompt_only = _prompt_only(req)
+    logprobs, offset = None, 0
+    if req.logprobs is not None and req.echo:
+        logprobs, offset = _echo_logprobs(state, out, req.logprobs)
+    if req.logprobs is not None and not prompt_only:
+        mine, _ = _generated_logprobs(state, c.logprobs or [], offset, req.logprobs)
+        logprobs = _merge_logprobs(logprobs, mine) if logprobs else mine
+    finish_reason, stop_reason = _finish(req, c)
+    text = echo + ("" if prompt_only else c.text)
+    body = {"index": index, "text": text, "logprobs": logprobs}
+    body |= {"finish_reason": finish_reason, "stop_reason": stop_reason}
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _prompt_logprobs_body(state, out.prompt_logprobs)
+    return body
 
 
 def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +256,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         param = "logprobs" if want_logprobs else "echo"
         raise APIError(400, f"this model has no tokenizer to give {param} its text", param=param)
     vocab = state.engine.model_config.vocab_size
-    params = _sampling_params(req, vocab, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    params = _completion_params(req, vocab)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     llm = state.async_llm()
@@ -173,36 +267,44 @@ async def completions(request: web.Request) -> web.StreamResponse:
     head = {"id": response_id, "object": "text_completion", "created": created}
     head["model"] = state.model_name
 
+    prompt_only = _prompt_only(req)
+
     if req.stream:
 
         def chunks(out: RequestOutput, c: CompletionOutput, choice: Choice) -> list[dict]:
-            text, logprobs = c.delta_text, None
+            text, logprobs = ("" if prompt_only else c.delta_text), None
             if not choice.started:
                 choice.started = True
                 if req.echo:
                     text = echo_texts[run.prompt_index[out.request_id]] + text
                     if want_logprobs:
-                        logprobs, choice.text_offset = _echo_logprobs(state, out.prompt_token_ids)
-            if want_logprobs:
+                        logprobs, choice.text_offset = _echo_logprobs(state, out, req.logprobs)
+            if want_logprobs and not prompt_only:
                 new = (c.logprobs or [])[choice.num_logprobs :]
                 choice.num_logprobs += len(new)
-                mine, choice.text_offset = _completion_logprobs(state, new, choice.text_offset)
+                mine, choice.text_offset = _generated_logprobs(
+                    state, new, choice.text_offset, req.logprobs
+                )
                 logprobs = _merge_logprobs(logprobs, mine) if logprobs else mine
+            finish_reason, stop_reason = _finish(req, c)
             # A new token always makes a chunk, even with no text yet (a model without a
             # tokenizer, or a held-back partial character): clients time tokens by chunks.
             if (
                 not text
-                and not c.delta_token_ids
+                and (prompt_only or not c.delta_token_ids)
                 and not (logprobs and logprobs["tokens"])
-                and c.finish_reason is None
+                and finish_reason is None
             ):
                 return []
             index = run.prompt_index[out.request_id] * req.n + c.index
             body = {"index": index, "text": text, "logprobs": logprobs}
-            body |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            body |= {"finish_reason": finish_reason, "stop_reason": stop_reason}
             return [head | {"choices": [body]}]
 
-        return await stream(request, run, chunks, usage_chunk(req, head), req.n)
+        make_usage = usage_chunk(req, head)
+        if prompt_only and make_usage is not None:
+            make_usage = functools.partial(_prompt_only_usage, make_usage)
+        return await stream(request, run, chunks, make_usage, req.n)
 
     try:
         final = await collect(run)
@@ -211,27 +313,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     choices = []
     for rid in run.ids:
         out = final[rid]
+        echo = echo_texts[run.prompt_index[rid]] if req.echo else ""
         for c in out.outputs:
-            text, logprobs = c.text, None
-            offset = 0
-            if req.echo:
-                text = echo_texts[run.prompt_index[rid]] + text
-                if want_logprobs:
-                    logprobs, offset = _echo_logprobs(state, out.prompt_token_ids)
-            if want_logprobs:
-                mine, _ = _completion_logprobs(state, c.logprobs or [], offset)
-                logprobs = _merge_logprobs(logprobs, mine) if logprobs else mine
-            choices.append(
-                {
-                    "index": len(choices),
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-    body = head | {"choices": choices, "usage": total_usage([final[r] for r in run.ids])}
-    return web.json_response(body)
+            choices.append(_completion_choice(state, req, out, c, echo, len(choices)))
+    outputs = [final[r] for r in run.ids]
+    counts = total_usage(outputs)
+    if prompt_only:
+        counts = usage(counts["prompt_tokens"], 0)
+    return web.json_response(head | {"choices": choices, "usage": counts})
+
+
+def _prompt_only_usage(make_usage, final: list[RequestOutput]) -> dict[str, Any]:
+    chunk = make_usage(final)
+    return chunk | {"usage": usage(chunk["usage"]["prompt_tokens"], 0)}
 
 
 # -- /v1/chat/completions ---------------------------------------------------------------------
@@ -292,6 +386,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.engine.model_config.vocab_size,
         max_tokens=max_tokens,
         logprobs=top_k if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
     llm = state.async_llm()
     messages = [m.template_dict() for m in req.messages]
@@ -354,4 +449,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "stop_reason": c.stop_reason,
             }
         )
-    return web.json_response(head | {"choices": choices, "usage": total_usage([out])})
+    body = head | {"choices": choices, "usage": total_usage([out])}
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _prompt_logprobs_body(state, out.prompt_logprobs)
+    return web.json_response(body)

@@ -260,7 +260,6 @@ SCHEMA = {"name": "answer", "schema": {"type": "object"}}
         ("response_format", {"type": "json_object"}),
         ("guided_json", {"type": "object"}),
         ("guided_choice", ["yes", "no"]),
-        ("prompt_logprobs", 1),
         ("continue_final_message", True),
         ("chat_template", "{{ messages }}"),
         ("modalities", ["text", "audio"]),
@@ -283,7 +282,6 @@ def test_unsupported_parameters_on_completions(client):
     for field, value in [
         ("response_format", {"type": "json_object"}),
         ("guided_regex", "[0-9]+"),
-        ("prompt_logprobs", 0),
     ]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(

@@ -65,6 +65,7 @@ common = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "user": text,
+    "prompt_logprobs": st.integers(-1, 21),
 }
 fields = {
     "/v1/completions": common

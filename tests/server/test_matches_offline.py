@@ -39,6 +39,9 @@ class Offline:
     logprobs: list[float]
     top: list[list[tuple[str, float]]]  # most likely first
     finish_reason: str | None
+    # With prompt_logprobs: per prompt token, None for the first, as logprobs and top above.
+    prompt_logprobs: list[float | None]
+    prompt_top: list[list[tuple[str, float]] | None]
 
 
 def offline(server, llm, prompt, params: SamplingParams, chat: bool = False) -> Offline:
@@ -51,6 +54,7 @@ def offline(server, llm, prompt, params: SamplingParams, chat: bool = False) -> 
             return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
         entries = c.logprobs or []
+        scores = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         return Offline(
             prompt_ids=list(out.prompt_token_ids),
             prompt_text=tok.decode(out.prompt_token_ids),
@@ -61,6 +65,8 @@ def offline(server, llm, prompt, params: SamplingParams, chat: bool = False) -> 
             logprobs=[e.logprob for e in entries],
             top=[[(texts([t])[0], lp) for t, lp in e.top] for e in entries],
             finish_reason=c.finish_reason,
+            prompt_logprobs=[e.logprob if e else None for e in scores],
+            prompt_top=[[(texts([t])[0], lp) for t, lp in e.top] if e else None for e in scores],
         )
 
     return server.in_engine_thread(run)
@@ -79,19 +85,25 @@ def offsets(texts: list[str]) -> list[int]:
 
 
 def assert_completion_logprobs(lp, want: Offline, k: int, echo: bool) -> None:
-    """OpenAI's legacy completions logprobs against the offline run."""
-    prompt = want.prompt_token_texts if echo else []
-    assert lp.tokens == prompt + want.token_texts
+    """OpenAI's legacy completions logprobs against the offline run; with echo the prompt's
+    tokens come first, scored as the offline run's prompt_logprobs (the first one null)."""
+    texts, logprobs, tops = want.token_texts, want.logprobs, want.top
+    if echo:
+        texts = want.prompt_token_texts + texts
+        logprobs = want.prompt_logprobs + logprobs
+        tops = want.prompt_top + tops
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens == texts
     assert lp.text_offset == offsets(lp.tokens)
-    assert lp.token_logprobs[: len(prompt)] == [None] * len(prompt)
-    assert lp.token_logprobs[len(prompt) :] == pytest.approx(want.logprobs, abs=TOL)
-    assert lp.top_logprobs[: len(prompt)] == [None] * len(prompt)
-    generated = lp.top_logprobs[len(prompt) :]
-    rows = zip(generated, want.top, want.token_texts, want.logprobs, strict=True)
-    for got, top, text, logprob in rows:
+    rows = zip(lp.token_logprobs, lp.top_logprobs, texts, logprobs, tops, strict=True)
+    for got, got_top, text, logprob, top in rows:
+        if logprob is None:
+            assert got is None and got_top is None
+            continue
+        assert got == pytest.approx(logprob, abs=TOL)
         expected = dict(top[:k])
         expected.setdefault(text, logprob)  # the chosen token is always there
-        assert got == pytest.approx(expected, abs=TOL)
+        assert got_top == pytest.approx(expected, abs=TOL)
 
 
 def merged_stream_logprobs(chunks) -> dict:
@@ -139,8 +151,10 @@ def test_echo_equals_prompt_and_generate(server, client, smollm2_llm):
 
 
 def test_echo_with_logprobs_equals_prompt_and_generate(server, client, smollm2_llm):
+    """vLLM's echo: the prompt's tokens scored as prompt_logprobs=logprobs scores them."""
     prompt = "The tallest mountain in Africa is"
-    want = offline(server, smollm2_llm, prompt, greedy(max_tokens=5, logprobs=2))
+    params = greedy(max_tokens=5, logprobs=2, prompt_logprobs=2)
+    want = offline(server, smollm2_llm, prompt, params)
     kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
     kwargs |= {"echo": True}
     choice = client.completions.create(**kwargs, extra_body=salt()).choices[0]

@@ -117,8 +117,10 @@ def test_completion_logprobs_and_echo(client):
     assert choice.text.startswith(prompt)
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
-    generated = [x for x in lp.token_logprobs if x is not None]
-    assert len(generated) == 4 and all(x <= 0 for x in generated)
+    # Every token is scored (the prompt's too, as vLLM's echo does) but the first.
+    scored = [x for x in lp.token_logprobs if x is not None]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(scored) == len(lp.tokens) - 1 and all(x <= 0 for x in scored)
     assert "".join(lp.tokens) == choice.text
     assert all(len(top) >= 2 for top in lp.top_logprobs if top is not None)
 
