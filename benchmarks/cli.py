@@ -22,6 +22,10 @@ COMMANDS = {
         "compile_engine.benchmarks.serve",
         "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server",
     ),
+    "soak": (
+        "compile_engine.benchmarks.soak",
+        "minutes of many streaming, hanging-up, slow and hostile clients against serve",
+    ),
     "kv-waste": ("compile_engine.benchmarks.kv_waste", "allocated-but-unused KV slots under load"),
     "kernel": (
         "compile_engine.benchmarks.kernel_harness",

@@ -526,13 +526,18 @@ def stop_server(process: subprocess.Popen, grace_s: float = 30.0) -> int:
 
 @contextlib.contextmanager
 def launch_server(
-    args: argparse.Namespace, log_path: Path, *, ready_timeout_s: float = 900.0
+    args: argparse.Namespace,
+    log_path: Path,
+    *,
+    ready_timeout_s: float = 900.0,
+    extra_flags: tuple[str, ...] = (),
 ) -> Iterator[LaunchedServer]:
     """Start `compile-engine serve` on a free loopback port, wait for /health, yield, stop it.
-    The server's stdout and stderr go to `log_path`."""
+    The server's stdout and stderr go to `log_path`; `extra_flags` are more serve flags (the
+    connection limits `bench soak` sets)."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = serve_command(args, port)
+    command = [*serve_command(args, port), *extra_flags]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     log_path.parent.mkdir(parents=True, exist_ok=True)

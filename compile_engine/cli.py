@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks (`bench --help` lists them): latency, throughput, serve, breakdown, "
-        "startup, kv-waste, fusions, moe, mla, paged-attention, make-model, render",
+        "startup, kv-waste, soak, fusions, moe, mla, paged-attention, make-model, render",
         add_help=False,
     )
     bench.set_defaults(func=_bench, bench_args=[])
