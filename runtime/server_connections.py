@@ -42,11 +42,12 @@ DROP_REASONS = ("header_timeout", "body_timeout", "keep_alive_timeout", "max_con
 # a refused connection's last second) when the connection cap is derived from the file limit.
 FILE_RESERVE = 128
 DEFAULT_MAX_CONNECTIONS = 1024
-# A refused connection reads (and drops) its request this long, so that the client reads the
-# 503 rather than a reset.
-_REFUSED_DRAIN_S = 1.0
+# A connection answered without aiohttp (a 503 over the cap, a 408 for late headers) reads and
+# drops what the client still sends for this long before it closes, so that the client reads the
+# answer rather than a reset.
+_DRAIN_S = 1.0
 
-_FRESH, _HEADERS, _BUSY, _IDLE, _CLOSING, _DONE, _REFUSED = range(7)
+_FRESH, _HEADERS, _BUSY, _IDLE, _CLOSING, _DONE, _REFUSED, _DRAINING = range(8)
 
 
 class LimitsError(ValueError):
@@ -178,7 +179,7 @@ class _Watch(asyncio.Protocol):
         self._arm(guard.limits.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._phase == _REFUSED:
+        if self._phase in (_REFUSED, _DRAINING):
             return
         if self._phase == _IDLE and data:
             self._phase = _HEADERS
@@ -188,7 +189,7 @@ class _Watch(asyncio.Protocol):
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        if self._phase == _REFUSED:
+        if self._phase in (_REFUSED, _DRAINING):
             return None  # the transport closes
         return self._inner.eof_received()
 
@@ -265,20 +266,30 @@ class _Watch(asyncio.Protocol):
                 self._arm(guard.limits.keep_alive_timeout_s)
                 return
             guard.dropped["keep_alive_timeout"] += 1
-        elif self._phase in (_FRESH, _HEADERS):
+        elif self._phase == _HEADERS:
             guard.dropped["header_timeout"] += 1
-            if self._phase == _HEADERS:
-                seconds = guard.limits.header_timeout_s
-                error = APIError(
-                    408,
-                    f"the request headers did not arrive within {seconds:g} s",
-                    code="request_timeout",
-                )
-                transport.write(_raw_response(error, "Request Timeout"))
+            seconds = guard.limits.header_timeout_s
+            error = APIError(
+                408,
+                f"the request headers did not arrive within {seconds:g} s",
+                code="request_timeout",
+            )
+            self._phase = _DRAINING  # aiohttp's parser gets no more bytes
+            self._answer_and_close(_raw_response(error, "Request Timeout"))
+            return
+        elif self._phase == _FRESH:
+            guard.dropped["header_timeout"] += 1
         else:
             return
         self._phase = _DONE
         transport.close()
+
+    def _answer_and_close(self, response: bytes) -> None:
+        transport = self._transport
+        transport.write(response)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(_DRAIN_S, transport.close)
 
     def _refuse(self) -> None:
         """Over the cap: answer 503 and close, without ever handing the connection to aiohttp."""
@@ -292,11 +303,7 @@ class _Watch(asyncio.Protocol):
             type="server_error",
             code="too_many_connections",
         )
-        transport = self._transport
-        transport.write(_raw_response(error, "Service Unavailable", "Retry-After: 1\r\n"))
-        if transport.can_write_eof():
-            transport.write_eof()
-        self._timer = asyncio.get_running_loop().call_later(_REFUSED_DRAIN_S, transport.close)
+        self._answer_and_close(_raw_response(error, "Service Unavailable", "Retry-After: 1\r\n"))
 
 
 def _raw_response(error: APIError, reason: str, headers: str = "") -> bytes:
