@@ -193,7 +193,8 @@ async def _one_stream(
 
 async def _raw(host: str, port: int, data: bytes, drip_s: float | None, limit_s: float) -> bytes:
     """Send `data` (one byte per `drip_s`, or at once) and return what comes back before the
-    server closes; raises TimeoutError if it keeps the connection past `limit_s`."""
+    server closes; raises TimeoutError if it keeps the connection past `limit_s`. A dripping
+    client stops sending once an answer comes, as a client that reads would."""
     reader, writer = await asyncio.open_connection(host, port)
     received = b""
     try:
@@ -204,9 +205,12 @@ async def _raw(host: str, port: int, data: bytes, drip_s: float | None, limit_s:
                 for i in range(len(data)):
                     writer.write(data[i : i + 1])
                     await writer.drain()
-                    await asyncio.sleep(drip_s)
-                    if reader.at_eof():
-                        break
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(65536), drip_s)
+                    except TimeoutError:
+                        continue
+                    received += chunk
+                    break
             with contextlib.suppress(ConnectionError):
                 while chunk := await reader.read(65536):
                     received += chunk
@@ -218,7 +222,7 @@ async def _raw(host: str, port: int, data: bytes, drip_s: float | None, limit_s:
 
 
 def _status(raw: bytes) -> int | None:
-    if not raw.startswith(b"HTTP/1.1 "):
+    if not raw.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")):  # aiohttp's 400 for non-HTTP is 1.0
         return None
     return int(raw.split(b" ", 2)[1])
 
