@@ -73,8 +73,16 @@ def add_routes(app: web.Application) -> None:
 
 async def _prompt(state: State, req: CountTokensRequest | MessagesRequest) -> list[int]:
     check_model(state, req.model)
-    template = functools.partial(chat_prompt, state.engine.tokenizer, req.chat_messages(), True)
-    return await state.async_llm().run_in_engine_thread(template)
+    # On a tokenizer thread, refused by its size alone before tokenizing where it can be
+    # (State.check_text), as the chat route does.
+    template = functools.partial(
+        chat_prompt, messages=req.chat_messages(), add_generation_prompt=True,
+        check=functools.partial(state.check_text, param="messages"),
+    )  # fmt: skip
+    prompt = await state.tokenize(template)
+    if isinstance(req, MessagesRequest):  # count_tokens counts whatever it is given
+        state.check_prompt_tokens(len(prompt), "messages")
+    return prompt
 
 
 def _sampling_params(req: MessagesRequest) -> SamplingParams:

@@ -197,10 +197,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     params = _sampling_params(req)
     llm = state.async_llm()
+    # On a tokenizer thread, refused by its size alone before tokenizing where it can be
+    # (State.check_text), as the chat route does.
     template = functools.partial(
-        chat_prompt, state.engine.tokenizer, system + history + turns, True
-    )
-    prompt = await llm.run_in_engine_thread(template)
+        chat_prompt, messages=system + history + turns, add_generation_prompt=True,
+        check=functools.partial(state.check_text, param="input"),
+    )  # fmt: skip
+    prompt = await state.tokenize(template)
+    state.check_prompt_tokens(len(prompt), "input")
     response = _Response(req, state.model_name)
     run = Run(llm, response.id, 1)
     try:

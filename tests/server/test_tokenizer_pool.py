@@ -305,3 +305,26 @@ def test_tokenize_answers_a_text_that_can_fit_whatever_its_count(big_server, smo
             r = http.post("/tokenize", json={"prompt": prompt})
             assert r.status_code == 200, r.text
             assert r.json()["count"] == len(smollm2_tokenizer.encode(prompt))
+
+
+def test_the_responses_and_messages_apis_refuse_a_huge_input_by_its_size(big_server):
+    """The same bound on the two newer APIs: an 8 MB input is refused before it is
+    tokenized, in each API's own error shape, naming its field."""
+    base, llm = big_server
+    huge = "a " * 4_000_000
+    with httpx.Client(base_url=base, timeout=120) as http:
+        t0 = time.monotonic()
+        r = http.post("/v1/responses", json={"model": "smol", "input": huge})
+        assert time.monotonic() - t0 < 2.0
+        error = assert_error(r, 400, "input")
+        assert error["code"] == "context_length_exceeded", error
+        t0 = time.monotonic()
+        body = {"model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": huge}]}
+        r = http.post("/v1/messages", json=body)
+        assert time.monotonic() - t0 < 2.0
+        assert r.status_code == 400, r.text[:200]
+        answer = r.json()
+        assert (
+            answer["type"] == "error"
+            and "messages is 8,000,148 characters" in answer["error"]["message"]
+        )
