@@ -123,6 +123,26 @@ def test_loading_an_artifact_with_another_kernel_config_is_refused(tmp_path):
         LLMEngine(config)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "half", "bfloat16"])
+def test_loading_an_artifact_with_another_dtype_is_refused_with_the_rebuild_command(
+    tmp_path, dtype
+):
+    # Issue 31: `serve ART --dtype float16` on an artifact of another dtype was accepted.
+    from compile_engine.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    _manifest(tmp_path, tuning.default()).write(artifact)  # a float32 artifact
+    with pytest.raises(EngineConfigError, match="built for dtype float32, not ") as refused:
+        LLMEngine(EngineConfig(model=str(artifact), target="cpu", dtype=dtype))
+    assert "compile-engine build" in str(refused.value)
+    # Its own dtype, in either spelling, is what the artifact is.
+    for same in ("float32", "float"):
+        with pytest.raises(Exception) as other:
+            LLMEngine(EngineConfig(model=str(artifact), target="cpu", dtype=same))
+        assert "built for dtype" not in str(other.value)  # fails later: the model is empty
+
+
 def test_engine_config_takes_a_kernel_config_as_json_and_names_a_bad_field():
     from compile_engine.runtime.engine import EngineConfig, EngineConfigError
 
