@@ -9,6 +9,7 @@
 #            `bash scripts/device/compare_trees.sh <old commit> <new commit>`
 # An old tree from before 802a0e4 has top-level packages (`python -m benchmarks`); a newer one
 # the compile_engine package. JSON lands in $OUT/old and $OUT/new, the logs in one archive.
+# BENCHES (default "latency throughput") picks the benchmarks.
 # Separate Inductor caches per tree: each pays its own cold compile in its latency run.
 set -u
 old_commit=$1 new_commit=$2
@@ -34,8 +35,9 @@ run() {  # run old|new latency|throughput [args...]
   echo "== $side $bench ($?) at $(( $(date +%s) - T0 )) s"
   grep -E '^ +[0-9]+ |output tok/s|tok/s' "/tmp/cmp-logs/$side-$bench.log" | grep -v Warn | tail -4
 }
-run old latency --batch-sizes 1,64,256
-run new latency --batch-sizes 1,64,256
-run old throughput
-run new throughput
+for bench in ${BENCHES:-latency throughput}; do  # BENCHES=latency: the decode rows only
+  args=(); [ "$bench" = latency ] && args=(--batch-sizes 1,64,256)
+  run old "$bench" "${args[@]}"
+  run new "$bench" "${args[@]}"
+done
 tar czf "$OUT/logs.tgz" -C /tmp/cmp-logs .
