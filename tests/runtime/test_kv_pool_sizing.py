@@ -54,7 +54,7 @@ def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monke
     class Stop(Exception):
         pass
 
-    def fake_engine(config):
+    def fake_engine(config, **kwargs):
         seen.append(config)
         raise Stop
 
