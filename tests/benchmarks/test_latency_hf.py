@@ -13,7 +13,8 @@ import torch
 
 from compile_engine.benchmarks import latency, render
 from compile_engine.models.loader import ModelSource
-from tests.tiny_models import make_tiny_model
+
+from tiny_models import make_tiny_model
 
 EOS = 2  # tests/tiny_models.py
 
