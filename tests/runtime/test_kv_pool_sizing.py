@@ -47,7 +47,7 @@ def test_a_bad_pool_size_is_refused(tiny_dir, bad):
 
 def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monkeypatch):
     from compile_engine import cli
-    from compile_engine.runtime import engine
+    from compile_engine.runtime import progress
 
     seen = []
 
@@ -58,7 +58,7 @@ def test_the_generate_command_sizes_the_pool_for_its_one_request(tiny_dir, monke
         seen.append(config)
         raise Stop
 
-    monkeypatch.setattr(engine, "LLMEngine", fake_engine)
+    monkeypatch.setattr(progress, "LLMEngine", fake_engine)  # what start_engine constructs
     with pytest.raises(Stop):
         cli.main(["generate", str(tiny_dir), "hi", "--target", "cpu", "--enforce-eager"])
     assert seen[0].kv_pool_sequences == 1 and seen[0].num_kv_blocks is None

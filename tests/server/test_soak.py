@@ -1,4 +1,4 @@
-"""A short soak (issue 31, item 8): `bench soak`'s loop for 30 s with 32 streaming clients (some
+"""A short soak (issue 31, item 8): `bench soak`'s loop for 15 s with 32 streaming clients (some
 hanging up, some reading slowly) and 2 hostile ones against a launched `compile-engine serve`.
 No 5xx, every finished stream well formed, every hostile request refused, the gauges back to 0,
 RSS flat. The full run (256 clients, minutes) is `compile-engine bench soak`; its figures are in
@@ -23,7 +23,7 @@ def test_a_short_soak_leaves_no_5xx_no_malformed_stream_and_nothing_behind(tmp_p
     args = soak.build_parser().parse_args(flags)
     with launch_server(args, tmp_path / "server.log", extra_flags=soak.SERVER_FLAGS) as server:
         figures = asyncio.run(
-            soak.run_soak(server.base_url, server.process.pid, clients=32, hostile=2, duration_s=30)
+            soak.run_soak(server.base_url, server.process.pid, clients=32, hostile=2, duration_s=15)
         )
     summary = {k: figures[k] for k in ("completed", "hung_up", "statuses", "rss", "itl_ms")}
     print(summary, figures["dropped_connections"])

@@ -40,10 +40,16 @@ def one_line_error(result: subprocess.CompletedProcess, code: int, match: str) -
     assert last.startswith("compile-engine") and ": error: " in last, last
 
 
+def test_a_setting_the_model_refuses_ends_before_the_weight_read_with_no_abort(tiny):
+    # The case that aborted (exit 134): the error came while the weights were being read on a
+    # thread. A process of its own, to see the exit status.
+    flags = ["--target", "cpu", "--enforce-eager", "--max-model-len", "99999"]
+    one_line_error(run("serve", tiny, *flags), 1, "max_model_len=99999 exceeds what the model")
+
+
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        (["--max-model-len", "99999"], "max_model_len=99999 exceeds what the model supports"),
         (["--passes", "+nosuchpass"], "unknown pass 'nosuchpass'"),
         (["--num-kv-blocks", "1"], "num_kv_blocks=1 is invalid: must be an integer >= 2"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5 is invalid"),
@@ -51,8 +57,14 @@ def one_line_error(result: subprocess.CompletedProcess, code: int, match: str) -
         (["--kernel-config", "{pdl: off"], "is not JSON"),
     ],
 )
-def test_a_setting_that_cannot_work_is_one_line_and_exit_1(tiny, flags, match):
-    one_line_error(run("serve", tiny, "--target", "cpu", "--enforce-eager", *flags), 1, match)
+def test_a_setting_that_cannot_work_is_one_line_and_exit_1(tiny, flags, match, capsys):
+    # Refused before anything loads, so in this process: the same main() the script runs.
+    from compile_engine.cli import main
+
+    code = main(["serve", tiny, "--target", "cpu", "--enforce-eager", *flags])
+    err = capsys.readouterr().err
+    result = subprocess.CompletedProcess([], code, "", err)
+    one_line_error(result, 1, match)
 
 
 def test_a_flag_argparse_refuses_is_a_usage_error_exit_2(tiny):
