@@ -121,7 +121,13 @@ print("RESULT " + json.dumps({
 """
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+# The architectures whose compiled graphs differ (tied embeddings, qkv bias, q/k norm, plain):
+# llama3-rope and mistral compile llama's graph with other data (the rope table, the window
+# that caps max_model_len), and each build and fresh load costs ~25 s of CI's 2 cores.
+ARTIFACT_ARCHS = ("llama", "llama-mha-tied", "qwen2", "qwen3")
+
+
+@pytest.mark.parametrize("arch", ARTIFACT_ARCHS)
 def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
     model_dir = tmp_path / "model"
     hf_model = make_tiny_model(arch, model_dir)
