@@ -195,8 +195,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, _RequestBlocks] = {}
-        # In tokens, counted once per admission (as vLLM counts): queried = the request's tokens,
-        # hit = the tokens its prefix hit covered.
+        # In tokens, as vLLM's prefix_cache_queries / prefix_cache_hits (`count_lookup`).
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -267,9 +266,6 @@ class KVCacheManager:
             return False
         if admitting:
             table = self._tables[request.request_id] = _RequestBlocks(request)
-            if self.enable_prefix_caching:
-                self.prefix_queries += request.num_tokens
-                self.prefix_hits += len(hits) * self.block_size
         # Touch hits before taking new blocks, or eviction could hand a hit back out.
         for block in hits:
             self.pool.touch(block)
@@ -283,6 +279,19 @@ class KVCacheManager:
                 table.blocks.append(block)
                 table.block_ids.append(block.block_id)
         return True
+
+    def count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix lookup in tokens, as vLLM's counters do: queried
+        = its tokens, hit = those its cached (or forked) blocks cover. vLLM counts a lookup of
+        a new request only: none with caching off, none for a prompt that must be scored
+        (it reads no hit), and a preempted request's re-lookup apart, unexported, so that a
+        victim finding its own blocks again does not raise the hit rate. vLLM counts each
+        scheduling attempt; the scheduler calls this once the admission succeeded, which is the
+        same whenever the first attempt fits."""
+        if not self.enable_prefix_caching or request.num_preemptions:
+            return
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def fork_prefix(self, parent: Request, child: Request) -> int:
         """Share the parent's full prompt blocks with a sibling that has no blocks yet.

@@ -251,6 +251,8 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 return False
+            # A sibling's shared blocks are what vLLM's lookup would find cached.
+            self.kv.count_lookup(request, num_shared)
         else:
             # A prompt that must be scored computes every token itself (Request docstring).
             skip = request.needs_prompt_logprobs
@@ -259,6 +261,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit_ids):
                 return False
             request.num_computed_tokens = num_hit
+            if not skip:
+                self.kv.count_lookup(request, num_hit)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._emit(step, request, num_new)

@@ -280,6 +280,47 @@ def test_prefix_hit_is_counted_for_a_shared_two_block_prefix() -> None:
     assert out.scheduled[0].num_computed_tokens == 0
 
 
+def test_prefix_counters_count_new_lookups_in_tokens_as_vllm_does() -> None:
+    """vLLM's prefix_cache_queries / hits: the tokens of each new request's lookup and those
+    found cached. A prompt that must be scored reads no hit and is not counted, a preempted
+    request's re-lookup is not counted, a sibling's forked blocks count as hits, and with
+    caching off nothing is counted."""
+    shared = list(range(100, 132))  # two blocks of 16
+    sched = make_scheduler()
+    sched.add_request(make_request("a", shared + [1], max_tokens=1))
+    run_to_completion(sched)
+    sched.add_request(make_request("scored", shared + [2], max_tokens=1, prompt_logprobs=1))
+    run_to_completion(sched)
+    stats = sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (33, 0)
+
+    for i in range(2):
+        sched.add_request(make_request(f"g{i}", shared + [3], 2, group="g", sibling=i))
+    run_to_completion(sched)
+    stats = sched.stats()
+    # g0 hits the two cached blocks; g1 forks g0's two prompt blocks.
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (33 + 2 * 33, 2 * 32)
+
+    off = make_scheduler(enable_prefix_caching=False)
+    for i in range(2):
+        off.add_request(make_request(f"g{i}", shared + [3], 2, group="g", sibling=i))
+    run_to_completion(off)
+    assert (off.stats().prefix_cache_queries, off.stats().prefix_cache_hits) == (0, 0)
+
+
+def test_prefix_counters_skip_a_preempted_requests_relookup() -> None:
+    sched = make_scheduler(max_model_len=32, block_size=4, num_blocks=7, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", [1] * 6, max_tokens=10))
+    sched.add_request(make_request("b", [2] * 6, max_tokens=10))
+    preempted = []
+    while sched.has_unfinished_requests():
+        preempted += step(sched)[0].preempted_ids
+    assert preempted
+    stats = sched.stats()
+    # Counted once each, at first admission; b re-found its own blocks uncounted.
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (6 + 6, 0)
+
+
 def test_siblings_wait_for_the_leader_then_share_its_prompt_blocks() -> None:
     for caching in (True, False):
         sched = make_scheduler(max_num_batched_tokens=16, enable_prefix_caching=caching)
