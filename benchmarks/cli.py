@@ -22,6 +22,10 @@ COMMANDS = {
         "compile_engine.benchmarks.serve",
         "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server",
     ),
+    "prefix": (
+        "compile_engine.benchmarks.prefix",
+        "TTFT with a shared prefix, caching on vs off; --sweep: step time vs tokens a step",
+    ),
     "soak": (
         "compile_engine.benchmarks.soak",
         "minutes of many streaming, hanging-up, slow and hostile clients against serve",
