@@ -33,7 +33,9 @@ from compile_engine.runtime.activation_profile import activation_bytes
 from compile_engine.runtime.activation_profile import lookup as lookup_activation_bytes
 from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
 from compile_engine.runtime.model_runner import ModelRunner, allocate_kv_caches, default_num_blocks
+from compile_engine.runtime.reasoning_parsers import reasoning_parser
 from compile_engine.runtime.scheduler import InvalidSchedulerConfig, Scheduler, SchedulerConfig
+from compile_engine.runtime.structured_output import GrammarCompiler, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class EngineParts:
     timings: dict[str, float]
     weights_read_s: float
     activation_profile_cached: bool
+    structured: StructuredOutputs  # the requests' grammars (runtime/structured_output.py)
 
 
 Progress = Callable[[str, int, int | None], None]  # (task, done, total): runtime/progress.py
@@ -220,6 +223,7 @@ class _Start:
             timings=self.timings,
             weights_read_s=self.weights_read_s,
             activation_profile_cached=profile_cached,
+            structured=structured_outputs(config, loaded, tokenizer),
         )
 
     def _artifact(self) -> tuple[Manifest | None, str, str, Path | None, str | None]:
@@ -373,3 +377,20 @@ def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:
             f"max_model_len={requested} exceeds what the model supports ({limit})"
         )
     return requested
+
+
+def structured_outputs(
+    config: EngineConfig, loaded: LoadedModel, tokenizer: object | None
+) -> StructuredOutputs:
+    """The grammar state of an engine: a compiler for the model's vocabulary (llguidance's view
+    of it is built on the first grammar, not here) and the reasoning parser, if any."""
+    compiler = GrammarCompiler(
+        tokenizer,
+        loaded.config.vocab_size,
+        list(loaded.config.eos_token_ids),
+        timeout_s=config.grammar_compile_timeout_s,
+    )
+    parser = None
+    if config.reasoning_parser is not None:
+        parser = reasoning_parser(config.reasoning_parser)
+    return StructuredOutputs(compiler, reasoning=parser)

@@ -16,6 +16,7 @@ from compile_engine.runtime.builder import Progress, build_engine
 from compile_engine.runtime.detokenizer import IncrementalDetokenizer
 from compile_engine.runtime.engine_config import TARGETS, EngineConfig, EngineConfigError
 from compile_engine.runtime.model_runner import InFlightStep, TokenLogprobs
+from compile_engine.runtime.outputs import CompletionOutput, RequestOutput
 from compile_engine.runtime.prompt_logprobs import PromptScores
 from compile_engine.runtime.request import Request, RequestStatus
 from compile_engine.runtime.sampling_params import SamplingParams
@@ -29,30 +30,6 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
 ]
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    # What this step added, for streaming.
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +85,7 @@ class LLMEngine:
         self.timings = parts.timings
         self.weights_read_s = parts.weights_read_s
         self.activation_profile_cached = parts.activation_profile_cached
+        self.structured = parts.structured
         eos = self.model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
         self.groups: dict[str, _Group] = {}
@@ -171,6 +149,10 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             logprobs = [] if params.logprobs is not None else None
             sequences.append(_Sequence(request, detok, logprobs))
+        ids = [seq.request.request_id for seq in sequences]
+        if params.structured_outputs is not None:  # raises GrammarError, before anything queues
+            tail = self.tokenizer.decode(token_ids[-32:]) if self.structured.reasoning else ""
+            self.structured.add(ids, params.structured_outputs, tail)
         added = []
         try:
             for seq in sequences:
@@ -178,6 +160,8 @@ class LLMEngine:
                 added.append(seq.request.request_id)
         except Exception:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            for rid in ids:
+                self.structured.remove(rid)
             raise
         scores = None if params.prompt_logprobs is None else PromptScores(len(token_ids))
         group = _Group(request_id, text, token_ids, sequences, now, scores)
@@ -197,6 +181,7 @@ class LLMEngine:
         for rid in ids:
             self._seq_of.pop(rid, None)
             self.runner.release(rid)
+            self.structured.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or self._in_flight is not None
@@ -220,9 +205,16 @@ class LLMEngine:
         if previous is not None and not self._overlap():
             outputs, previous = self._process(previous), None
         step = self.scheduler.schedule()
-        launched = self.runner.launch(step, previous) if step.scheduled else None
+        launched = None
+        if step.scheduled:
+            # A step with grammars samples after the previous step's tokens advance them: its
+            # masks are computed while its forward runs.
+            masked = self.structured.constrains([it.request for it in step.scheduled])
+            launched = self.runner.launch(step, previous, defer_sampling=masked)
         if previous is not None:
             outputs = self._process(previous)
+        if launched is not None and launched.logits is not None:
+            self.runner.sample(launched, self.structured.bitmask(launched.sampling))
         if launched is not None:
             if self._overlap():
                 self._in_flight = launched
@@ -245,7 +237,7 @@ class LLMEngine:
                 entry[0].prompt_scores.add(first, scores)
         for rid, token in result.sampled.items():
             entry = self._seq_of.get(rid)
-            if entry is None:
+            if entry is None or entry[1].finished_seen:  # a step launched before it finished
                 continue
             group, seq = entry
             changed[group.request_id] = group
@@ -258,6 +250,10 @@ class LLMEngine:
                     self.scheduler.finish_requests(
                         rid, RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
                     )
+            if rid in self.structured.states and not seq.request.is_finished:
+                text = seq.detokenizer.text if seq.detokenizer is not None else ""
+                if self.structured.advance(seq.request, text):  # the grammar is complete
+                    self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
         for item in step.scheduled:
             # Requests finished by the scheduler this step (eos, length) flush held-back text.
             entry = self._seq_of.get(item.request.request_id)
@@ -272,6 +268,7 @@ class LLMEngine:
             if request.is_finished and not seq.finished_seen:
                 seq.finished_seen = True
                 self.runner.release(request.request_id)
+                self.structured.remove(request.request_id)
                 if seq.detokenizer is not None and not seq.detokenizer.stopped:
                     seq.delta_text += seq.detokenizer.flush()
             text = seq.detokenizer.text if seq.detokenizer is not None else ""

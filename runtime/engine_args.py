@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from compile_engine.runtime.reasoning_parsers import REASONING_PARSERS
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and the LLM(...) settings, shared by every subcommand that runs a model."""
@@ -66,6 +68,13 @@ def add_engine_options(
     )
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split the model's thinking into reasoning_content; a structured-output grammar "
+        "applies after it (vLLM's names)",
+    )
+    parser.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="step synchronously instead of preparing step N+1 while step N runs",
@@ -90,4 +99,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kernel_config=args.kernel_config,
         cuda_graphs=not args.no_cuda_graphs,
         async_scheduling=not getattr(args, "no_async_scheduling", False),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )

@@ -54,6 +54,11 @@ class EngineConfig:
     # request uses a penalty (which needs every previous token on the host), steps run one at
     # a time.
     async_scheduling: bool = True
+    # vLLM's --reasoning-parser (runtime/reasoning_parsers.py): the output's thinking part is
+    # split off by the server, and a structured-output grammar applies after it.
+    reasoning_parser: str | None = None
+    # A structured-output grammar that takes longer to compile is refused (a 400).
+    grammar_compile_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -109,6 +114,19 @@ class EngineConfig:
                 self.kernel_config = KernelConfig.coerce(self.kernel_config)
             except KernelConfigError as exc:
                 raise EngineConfigError(f"kernel_config: {exc}") from None
+
+        if self.reasoning_parser is not None:
+            from compile_engine.runtime.reasoning_parsers import reasoning_parser
+
+            try:
+                reasoning_parser(self.reasoning_parser)
+            except ValueError as exc:
+                raise EngineConfigError(f"reasoning_parser: {exc}") from None
+        timeout = self.grammar_compile_timeout_s
+        if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
+            raise EngineConfigError(
+                f"grammar_compile_timeout_s={timeout!r} is invalid: must be in (0, 600] seconds"
+            )
 
     @property
     def device(self) -> torch.device:

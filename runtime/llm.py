@@ -39,6 +39,8 @@ class LLM:
         kernel_config: KernelConfig | dict | str | None = None,
         cuda_graphs: bool = True,
         async_scheduling: bool = True,
+        reasoning_parser: str | None = None,
+        grammar_compile_timeout_s: float = 5.0,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -58,6 +60,8 @@ class LLM:
             kernel_config=kernel_config,
             cuda_graphs=cuda_graphs,
             async_scheduling=async_scheduling,
+            reasoning_parser=reasoning_parser,
+            grammar_compile_timeout_s=grammar_compile_timeout_s,
         )
         self.engine = LLMEngine(config)
 

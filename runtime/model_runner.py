@@ -82,6 +82,7 @@ class InFlightStep:
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU)
     prompt_rows: PromptRows | None = None
     prompt_host: list[torch.Tensor] | None = None  # their logprobs, ranks, top ids, top values
+    logits: torch.Tensor | None = None  # [S, V] while sampling waits (launch's defer_sampling)
 
 
 def _prompt_rows(scheduled: list[ScheduledRequest], starts: np.ndarray) -> PromptRows | None:
@@ -369,44 +370,71 @@ class ModelRunner:
         return ids
 
     @torch.inference_mode()
-    def launch(self, step: SchedulerOutput, previous: InFlightStep | None = None) -> InFlightStep:
+    def launch(
+        self,
+        step: SchedulerOutput,
+        previous: InFlightStep | None = None,
+        *,
+        defer_sampling: bool = False,
+    ) -> InFlightStep:
         """Enqueue the step's model run, sampling and prompt scoring on the device and return
         at once; the results are copied to the host in the background (`collect` waits for
         them). `previous` is the step still in flight, whose sampled tokens feed this step's
-        pending ones."""
+        pending ones. With `defer_sampling` the step's logits wait for `sample` (structured
+        output: the token masks need the previous step's tokens, which arrive meanwhile)."""
         if not step.scheduled:
             return InFlightStep(step, [], None, None, None)
         inputs = self.prepare(step)
         hidden = self._run_model(self._input_ids(inputs, previous), inputs.positions, inputs.meta)
         sampling = [item.request for item in step.scheduled if item.samples]
-        token_ids = host = prompt_host = None
+        if not sampling and inputs.prompt_rows is None:
+            return InFlightStep(step, [], None, None, None)
+        flight = InFlightStep(step, sampling, None, None, None, inputs.prompt_rows)
         if sampling:
-            out = self._sample(hidden, inputs.sample_rows, sampling)
-            token_ids, host = out.token_ids, [out.token_ids.to("cpu", non_blocking=True)]
-            if out.logprobs is not None:
-                host += [
-                    t.to("cpu", non_blocking=True)
-                    for t in (out.logprobs, out.top_logprob_ids, out.top_logprobs)
-                ]
+            flight.logits = self._logits(hidden, inputs.sample_rows)
+            if not defer_sampling:
+                self._sample_into(flight, None)
         if inputs.prompt_rows is not None:
             scores = self._score_prompt(hidden, inputs.prompt_rows)
-            prompt_host = [t.to("cpu", non_blocking=True) for t in scores]
-        if not sampling and prompt_host is None:
-            return InFlightStep(step, [], None, None, None)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return InFlightStep(step, sampling, token_ids, host, done, inputs.prompt_rows, prompt_host)
+            flight.prompt_host = [t.to("cpu", non_blocking=True) for t in scores]
+        if flight.logits is None:  # else `sample` records it, after its own copies
+            flight.done = self._record()
+        return flight
+
+    @torch.inference_mode()
+    def sample(self, flight: InFlightStep, token_bitmask: torch.Tensor | None = None) -> None:
+        """Sample a step launched with defer_sampling (`token_bitmask`: the structured-output
+        masks of its sampling rows, on the host) and start copying the results to the host."""
+        self._sample_into(flight, token_bitmask)
+        flight.done = self._record()
+
+    def _sample_into(self, flight: InFlightStep, token_bitmask: torch.Tensor | None) -> None:
+        out = self._sample(flight.logits, flight.sampling, token_bitmask)
+        flight.logits = None
+        flight.token_ids, flight.host = out.token_ids, [out.token_ids.to("cpu", non_blocking=True)]
+        if out.logprobs is not None:
+            flight.host += [
+                t.to("cpu", non_blocking=True)
+                for t in (out.logprobs, out.top_logprob_ids, out.top_logprobs)
+            ]
+
+    def _record(self) -> torch.cuda.Event | None:
+        """An event after the step's copies to the host (None on CPU, where they are done)."""
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    def _logits(self, hidden: torch.Tensor, sample_rows: np.ndarray) -> torch.Tensor:
+        if len(sample_rows) == hidden.shape[0]:
+            return self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
+        rows = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[rows])
 
     def _sample(
-        self, hidden: torch.Tensor, sample_rows: np.ndarray, sampling: list
+        self, logits: torch.Tensor, sampling: list, token_bitmask: torch.Tensor | None
     ) -> SamplerOutput:
-        if len(sample_rows) == hidden.shape[0]:
-            logits = self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
-        else:
-            rows = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows])
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],
             [r.prompt_token_ids for r in sampling],
@@ -417,6 +445,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             # The scheduler counted this step's own sample as pending already.
             num_output_tokens=[r.num_output_tokens + r.num_pending_tokens - 1 for r in sampling],
+            token_bitmask=token_bitmask,
         )
         return self.sampler(logits, batch)
 

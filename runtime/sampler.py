@@ -2,7 +2,10 @@
 
 Order of processing, per row (HF's and vLLM's order, so results can be compared with theirs):
 
- 0. logprobs, when any row asked: log_softmax of the *raw* logits in float32, i.e. the
+ 0. structured output: tokens a row's grammar forbids get -inf before anything else
+    (runtime/structured_output.py), so what follows, logprobs included, sees the constrained
+    distribution (vLLM's order).
+ 0b. logprobs, when any row asked: log_softmax of the *raw* logits in float32, i.e. the
     model's distribution before penalties and temperature (vLLM's default). Prompt tokens are
     scored the same way by `prompt_token_logprobs`, on rows that do not sample.
  1. a float32 copy of the logits; nothing below touches the caller's tensor.
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_engine.runtime.sampling_params import SamplingParams
+from compile_engine.runtime.structured_output import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -67,6 +71,7 @@ class SamplingBatch:
     seeded: list[tuple[int, torch.Generator]]  # (row, its generator)
     any_unseeded: bool  # whether a non-greedy row without a generator exists
     max_num_logprobs: int | None  # K of top_logprobs; None when no row asked
+    token_bitmask: torch.Tensor | None = None  # [S, ceil(V / 32)] int32: allowed tokens' bits
 
     @classmethod
     def build(
@@ -79,13 +84,16 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         num_output_tokens: Sequence[int] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """Gather the rows' parameters into tensors, with one host-to-device copy each.
 
         `generators[i]` is the request's generator (made by the caller from its seed, on
         `device`) or None; it is only used for non-greedy rows. `num_output_tokens[i]` is how
         many tokens precede the one sampled now (min_tokens); by default len(output_token_ids[i]),
-        which falls short while earlier tokens are still in flight.
+        which falls short while earlier tokens are still in flight. `token_bitmask` is the
+        structured-output mask on the host (StructuredOutputs.bitmask), None when no row has a
+        grammar.
         """
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
@@ -161,6 +169,7 @@ class SamplingBatch:
             seeded=seeded,
             any_unseeded=len(seeded) < len(sampled),
             max_num_logprobs=max(requested) if requested else None,
+            token_bitmask=None if token_bitmask is None else _to_device(token_bitmask, device),
         )
 
     @property
@@ -201,6 +210,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, V], got {tuple(logits.shape)}")
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidSamplingParams(ValueError):
@@ -12,6 +14,70 @@ class InvalidSamplingParams(ValueError):
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20  # top alternatives a position may return (OpenAI's and vLLM's default bound)
+
+
+# The constraint kinds of StructuredOutputsParams, in the order a request's field is named.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint the output must satisfy, enforced
+    while decoding (runtime/structured_output.py). `json` is a JSON schema (a dict or its
+    text), `regex` a regular expression (Rust regex syntax), `choice` the allowed outputs,
+    `grammar` a Lark or GBNF/EBNF grammar, `json_object` any JSON object. `param` names the
+    request field it came from, for error messages."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        chosen = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise InvalidSamplingParams(
+                f"{self.param} needs exactly one of {', '.join(CONSTRAINTS)}; "
+                + (f"got {', '.join(chosen)}" if chosen else "got none")
+            )
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidSamplingParams(
+                    f"{self.param}: the JSON schema is not JSON: {exc}"
+                ) from None
+            if not isinstance(parsed, dict | bool):
+                raise InvalidSamplingParams(f"{self.param}: a JSON schema is an object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise InvalidSamplingParams(f"{self.param}: a JSON schema is an object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidSamplingParams(f"{self.param}: {name} must be a non-empty string")
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise InvalidSamplingParams(
+                    f"{self.param}: choice needs 1 to {MAX_CHOICES} strings"
+                )
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise InvalidSamplingParams(f"{self.param}: choices must be non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the cache key)."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, dict | tuple):
+            value = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return self.kind, str(value)
 
 
 @dataclass(slots=True)
@@ -25,6 +91,7 @@ class SamplingParams:
     `logprobs` most likely ones. `prompt_logprobs=k` scores the prompt the same way: every
     prompt token but the first (which nothing precedes) gets its own logprob and the k most
     likely tokens at its position (`RequestOutput.prompt_logprobs`, None first).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -45,6 +112,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding; a dict is read as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +122,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown field
+                raise InvalidSamplingParams(f"structured_outputs: {exc}") from None
         self._check()
 
     def _check(self) -> None:
