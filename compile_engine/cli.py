@@ -11,6 +11,7 @@ from pathlib import Path
 
 from compile_engine.runtime import bytecode_cache
 from compile_engine.runtime.engine_args import add_engine_arguments, engine_kwargs
+from compile_engine.runtime.tool_parsers import TOOL_PARSERS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -252,6 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=2,
         help="threads that tokenize requests, each with its own tokenizer copy (default 2)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format, which tool_choice auto parses (vLLM's names)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let requests with tools leave the choice to the model (needs --tool-call-parser)",
     )
     serve.set_defaults(func=_serve)
 

@@ -4,7 +4,7 @@ repetition_penalty, ignore_eos, cache_salt, ...) follow vLLM's names so existing
 
 Unknown fields are ignored, as vLLM does, so that clients sending newer OpenAI fields still get
 an answer; the exception is a field this server does not implement and whose absence would change
-what the answer means (tools, response_format, ...): each request model lists those in
+what the answer means (logit_bias, beam search, ...): each request model lists those in
 `UNSUPPORTED`, and `refuse_unsupported` turns one that is switched on into a 400 naming it. Range
 checks that SamplingParams already makes are not repeated here: its typed error names the field
 and the server turns it into a 400. What is checked here is what would otherwise reach torch as
@@ -39,6 +39,8 @@ MAX_PROMPTS = 64
 # 150k of them from one client doubled the latency of every other request on the server.
 MAX_STOP = 64
 MAX_STOP_TOKEN_IDS = 1024  # a model's special tokens fit many times over
+MAX_TOOLS = 128  # OpenAI's bound
+MAX_CHOICES = 1024  # guided_choice's; runtime/sampling_params.py checks structured_outputs'
 
 Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
@@ -118,15 +120,40 @@ class _SamplingFields(_Model):
             )
         return stop
 
+    # Structured output (runtime/structured_output.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+
+
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or not self.json_schema.schema_
+        ):
+            raise PydanticCustomError(
+                "json_schema", "response_format of type json_schema needs json_schema.schema"
+            )
+        return self
+
 
 # Generation features of OpenAI's API or vLLM's extras that this engine does not implement.
 _UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "use_beam_search": (None, False),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
@@ -195,6 +222,19 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # a JSON object, as the model wrote it
+
+
+class ToolCallItem(_Model):
+    """A call an earlier assistant turn made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 # OpenAI's roles. Another role would reach the chat template as is and be rendered as a speaker
 # the model has never seen.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -204,8 +244,9 @@ class ChatMessage(_Model):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Accepted only empty: a conversation with tool calls cannot be rendered faithfully here.
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+    # The deprecated single function call: accepted only empty.
     function_call: Any = None
 
     @field_validator("content", mode="before")
@@ -235,14 +276,13 @@ class ChatMessage(_Model):
                 )
         return content
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
+    def _no_function_call(cls, value: Any) -> Any:
         if value:
             raise PydanticCustomError(
                 "unsupported",
-                "tool_calls and function_call are not supported: this server does not implement "
-                "tools; send the assistant's turn as content",
+                "function_call (deprecated by OpenAI) is not supported; send tool_calls",
             )
         return value
 
@@ -253,6 +293,8 @@ class ChatMessage(_Model):
             raise PydanticCustomError(
                 "missing_content", "a {role} message needs content", {"role": self.role}
             )
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only an assistant message has tool_calls")
         return self
 
     def template_dict(self) -> dict[str, Any]:
@@ -262,7 +304,50 @@ class ChatMessage(_Model):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates index the arguments (Qwen's `tool_call.arguments | tojson`, Llama's
+            # items()), so they get the object, as vLLM gives it; text that is not a JSON
+            # object stays text.
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call)},
+                }
+                for call in self.tool_calls
+            ]
         return message
+
+
+def _arguments(call: ToolCallItem) -> Any:
+    try:
+        value = json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 # apply_chat_template's own arguments, which a template variable must not replace.
@@ -292,8 +377,6 @@ TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_varia
 
 class ChatCompletionRequest(_SamplingFields):
     UNSUPPORTED = _UNSUPPORTED_SAMPLING | {
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),
         "functions": (None, []),
         "function_call": (None, "none", "auto"),
         "audio": (None,),
@@ -311,6 +394,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: TemplateKwargs = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Model):

@@ -73,6 +73,7 @@ from compile_engine.runtime.server_connections import (
 )
 from compile_engine.runtime.server_openai import chat_completions, chat_prompt, completions
 from compile_engine.runtime.tokenizer_pool import TokenizerPool, bytes_per_token, encode
+from compile_engine.runtime.tool_parsers import tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +95,29 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: ConnectionLimits | None = None,
     tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> web.Application:
     """The aiohttp app serving `engine`; it starts and stops its AsyncLLM with the app.
     served_model_name: the name, or names, a request's `model` may give (responses carry the
     first, as vLLM's do); default the engine's model. `limits`: what a connection may take
-    (default ConnectionLimits()); they apply where `serve` or `start_site` serves the app."""
+    (default ConnectionLimits()); they apply where `serve` or `start_site` serves the app.
+    tool_call_parser: the model's tool-call format (runtime/tool_parsers.py), which
+    `tool_choice: auto` parses; enable_auto_tool_choice allows that choice (vLLM's flags)."""
     if tokenizer_workers < 1:
         raise ValueError(f"tokenizer_workers must be >= 1, got {tokenizer_workers}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
+    parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
     names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
-    state = State(engine, names or [engine.config.model], api_key or None, max_body_bytes)
+    state = State(
+        engine,
+        names or [engine.config.model],
+        api_key or None,
+        max_body_bytes,
+        tool_parser=parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+    )
     guard = ConnectionGuard(limits or ConnectionLimits(), max_body_bytes)
     # client_max_size is the backstop; read_json refuses by Content-Length before reading.
     app = web.Application(
@@ -398,6 +413,8 @@ def main(args: argparse.Namespace) -> int:
 
     config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
     limits = connection_limits(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ServerError("--enable-auto-tool-choice needs --tool-call-parser (hermes, ...)")
     sock = bind(args.host, args.port)
     try:
         engine = start_engine(config)
@@ -407,6 +424,8 @@ def main(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("COMPILE_ENGINE_API_KEY"),
             limits=limits,
             tokenizer_workers=args.tokenizer_workers,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
         return asyncio.run(serve(app, args.host, args.port, sock=sock))
     finally:

@@ -9,6 +9,7 @@ alone proves that it cannot fit in max_model_len is refused before anything toke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -26,7 +27,11 @@ from compile_engine.runtime.protocol import (
     refuse_unsupported,
     validation_error,
 )
+from compile_engine.runtime.reasoning_parsers import reasoning_parser
+from compile_engine.runtime.sampling_params import StructuredOutputsParams
+from compile_engine.runtime.structured_output import GrammarError
 from compile_engine.runtime.tokenizer_pool import TokenizerPool, encode, min_tokens
+from compile_engine.runtime.tool_parsers import ToolParser
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # JSON can escape a lone UTF-16 surrogate ("\ud800"), which json.loads turns into a str that no
@@ -42,7 +47,14 @@ class State:
     """What the handlers of one app share."""
 
     def __init__(
-        self, engine: LLMEngine, model_names: list[str], api_key: str | None, max_body_bytes: int
+        self,
+        engine: LLMEngine,
+        model_names: list[str],
+        api_key: str | None,
+        max_body_bytes: int,
+        *,
+        tool_parser: type[ToolParser] | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self.engine = engine
         self.model_names = list(model_names)
@@ -56,6 +68,25 @@ class State:
         self.tokenizers: TokenizerPool | None = None
         # At most how many bytes of text one token stands for (None: no sound bound).
         self.bytes_per_token: int | None = None
+        # Tools and reasoning (runtime/server_tools.py): build_app's settings.
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        name = engine.config.reasoning_parser
+        self.reasoning_parser = reasoning_parser(name) if name is not None else None
+
+    async def compile_grammar(self, spec: StructuredOutputsParams | None) -> None:
+        """Compile a request's grammar on the grammar threads, before the engine sees it (which
+        then finds it compiled); a 400 naming the field when it cannot be compiled in time."""
+        if spec is None:
+            return
+        compiler = self.engine.structured.compiler
+        try:
+            future = compiler.submit(spec)
+            await asyncio.wait_for(asyncio.wrap_future(future), compiler.timeout_s)
+        except TimeoutError:
+            raise _grammar_error(compiler.timeout_error(spec)) from None
+        except GrammarError as exc:
+            raise _grammar_error(exc) from None
 
     def async_llm(self) -> AsyncLLM:
         """The running AsyncLLM; a 503 before the app has started it."""
@@ -163,6 +194,10 @@ def token_texts(engine: LLMEngine) -> list[str]:
     tokenizer = engine.tokenizer
     size = max(len(tokenizer), engine.model_config.vocab_size)
     return [tokenizer.decode([t], skip_special_tokens=False) for t in range(size)]
+
+
+def _grammar_error(exc: GrammarError) -> APIError:
+    return APIError(400, str(exc), param=exc.param, code="invalid_value")
 
 
 def internal_error() -> APIError:

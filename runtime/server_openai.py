@@ -37,6 +37,7 @@ from compile_engine.runtime.server_stream import (
     usage,
     usage_chunk,
 )
+from compile_engine.runtime.server_tools import ChatStream, chat_message, structured_spec, tool_plan
 from compile_engine.runtime.tokenizer_pool import encode
 
 # Temperatures this small are greedy in effect, and dividing logits by them overflows.
@@ -190,6 +191,7 @@ def _completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParam
         max_tokens=1 if _prompt_only(req) else req.max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_spec(req),
     )
 
 
@@ -257,6 +259,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise APIError(400, f"this model has no tokenizer to give {param} its text", param=param)
     vocab = state.engine.model_config.vocab_size
     params = _completion_params(req, vocab)
+    await state.compile_grammar(params.structured_outputs)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     llm = state.async_llm()
@@ -337,16 +340,17 @@ def chat_prompt(
     add_generation_prompt: bool,
     variables: dict[str, Any] | None = None,
     check: Callable[[str], None] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt's token ids; `variables` (chat_template_kwargs) reach the template. Run on a
     tokenizer thread (also for /tokenize). The template's text is rendered first and passed to
     `check` (State.check_text) before it is tokenized, as apply_chat_template(tokenize=True)
-    tokenizes it: without adding special tokens."""
+    tokenizes it: without adding special tokens. `tools` (OpenAI's) reach the template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools,
             **(variables or {}),
         )  # fmt: skip
     except Exception as exc:  # jinja raises for conversations the template refuses
@@ -381,13 +385,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
     if max_tokens is None:
         max_tokens = req.max_tokens
+    plan = tool_plan(req, state.tool_parser, state.enable_auto_tool_choice)
     params = _sampling_params(
         req,
         state.engine.model_config.vocab_size,
         max_tokens=max_tokens,
         logprobs=top_k if req.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
+        structured_outputs=plan.spec or structured_spec(req),
     )
+    await state.compile_grammar(params.structured_outputs)
     llm = state.async_llm()
     messages = [m.template_dict() for m in req.messages]
     template = functools.partial(
@@ -396,6 +403,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         add_generation_prompt=req.add_generation_prompt,
         variables=req.chat_template_kwargs,
         check=functools.partial(state.check_text, param="messages"),
+        tools=plan.tools,
     )
     prompt = await state.tokenize(template)
     state.check_prompt_tokens(len(prompt), "messages")
@@ -404,9 +412,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     await run.start([prompt], params, req.cache_salt)
     head = {"id": response_id, "object": "chat.completion", "created": int(time.time())}
     head["model"] = state.model_name
+    reasoning = state.reasoning_parser
 
     if req.stream:
         head["object"] = "chat.completion.chunk"
+        streams: dict[int, ChatStream] = {}
 
         def chunks(out: RequestOutput, c: CompletionOutput, choice: Choice) -> list[dict]:
             result = []
@@ -415,16 +425,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 opening = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
                 opening |= {"logprobs": None, "finish_reason": None}
                 result.append(head | {"choices": [opening]})
+            parts = streams.setdefault(c.index, ChatStream.start(plan, reasoning))
+            deltas = parts.feed(c.delta_text) if c.delta_text else []
+            if c.finish_reason is not None:
+                deltas += parts.finish()
             logprobs = None
             if req.logprobs:
                 new = (c.logprobs or [])[choice.num_logprobs :]
                 choice.num_logprobs += len(new)
                 if new:
                     logprobs = {"content": _chat_logprobs(state, new, top_k)}
-            if c.delta_text or logprobs or c.finish_reason is not None:
-                delta = {"content": c.delta_text} if c.delta_text else {}
-                body = {"index": c.index, "delta": delta, "logprobs": logprobs}
-                body |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if not deltas and (logprobs or c.finish_reason is not None):
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                last = i == len(deltas) - 1
+                finish = _chat_finish(c.finish_reason, parts.called) if last else None
+                body = {"index": c.index, "delta": delta, "logprobs": logprobs if i == 0 else None}
+                body |= {"finish_reason": finish, "stop_reason": c.stop_reason if last else None}
                 result.append(head | {"choices": [body]})
             return result
 
@@ -440,12 +457,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         logprobs = None
         if req.logprobs:
             logprobs = {"content": _chat_logprobs(state, c.logprobs or [], top_k)}
+        message, called = chat_message(c.text, plan, reasoning)
         choices.append(
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
+                "finish_reason": _chat_finish(c.finish_reason, called),
                 "stop_reason": c.stop_reason,
             }
         )
@@ -453,3 +471,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = _prompt_logprobs_body(state, out.prompt_logprobs)
     return web.json_response(body)
+
+
+def _chat_finish(reason: str | None, called: bool) -> str | None:
+    """ "tool_calls" for an answer that ended by itself with calls (see server_tools.py)."""
+    return "tool_calls" if called and reason == "stop" else reason

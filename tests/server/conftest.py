@@ -15,7 +15,12 @@ def server(smollm2_llm):
 
     engine = smollm2_llm.engine
     app = build_app(
-        engine, served_model_name=MODEL_NAME, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES
+        engine,
+        served_model_name=MODEL_NAME,
+        api_key=API_KEY,
+        max_body_bytes=MAX_BODY_BYTES,
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
     )
     thread = ServerThread(app)
     port = thread.start()
