@@ -26,6 +26,10 @@ COMMANDS = {
         "compile_engine.benchmarks.prefix",
         "TTFT with a shared prefix, caching on vs off; --sweep: step time vs tokens a step",
     ),
+    "structured": (
+        "compile_engine.benchmarks.structured",
+        "output tok/s with every request under a JSON schema vs none; mask and compile times",
+    ),
     "soak": (
         "compile_engine.benchmarks.soak",
         "minutes of many streaming, hanging-up, slow and hostile clients against serve",
