@@ -31,6 +31,7 @@ from compile_engine.models.errors import CheckpointError, ModelNotFoundError, Un
 from compile_engine.models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
 from compile_engine.models.layers import FusedLinear
 from compile_engine.models.moe import StackedExperts
+from compile_engine.models.quant import QuantConfig, QuantLinear, quant_config, quantize_model
 from compile_engine.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         for pname, _ in module.named_parameters(recurse=False):
             full = f"{module_name}.{pname}" if module_name else pname
             owners[full] = module
-            if isinstance(module, FusedLinear):
+            if isinstance(module, FusedLinear) or (
+                isinstance(module, QuantLinear) and module.shards
+            ):
                 parent = module_name.rpartition(".")[0]
                 for shard in module.shards:
                     expected[(full, shard)] = f"{parent}.{shard}.{pname}".lstrip(".")
@@ -185,6 +188,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         )
         raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.finish_loading()  # a fused per-tensor weight's shards, to one scale
 
 
 def _rename(parts: list[str], renames: list[tuple[list[str], list[str]]]) -> list[str]:
@@ -245,6 +251,7 @@ class LoadedModel:
     hf_config: object  # None when the config came from an artifact
     source: ModelSource
     dtype: torch.dtype
+    quant: QuantConfig | None = None  # models/quant.py; None: not quantized
 
 
 def build_model(
@@ -300,8 +307,11 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    loaded, tensors = open_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    loaded, tensors = open_model(
+        model, dtype=dtype, device=device, max_model_len=max_model_len, quantization=quantization
+    )
     load_weights(loaded.model, tensors)
     return loaded
 
@@ -314,12 +324,15 @@ def open_model(
     max_model_len: int | None = None,
     config: ModelConfig | None = None,
     storage: bool = True,
+    quantization: str | None = None,
 ) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
     """The model built with uninitialised storage (on the meta device with `storage=False`:
     `WeightRead` gives it storage), and the checkpoint's (name, tensor) pairs that
     `load_weights` fills it from, not yet read: the engine reads them on a thread while it
     compiles. A given `config` (an artifact's, resolved at build) is used instead of asking
-    transformers for one; `hf_config` is then None."""
+    transformers for one; `hf_config` is then None. quantization: None, or "fp8" (online FP8 of
+    a model-dtype checkpoint); an FP8 checkpoint's own quantization_config applies either way
+    (models/quant.py)."""
     source = resolve_source(model)
     device = torch.device(device)
     hf_config = None
@@ -341,9 +354,16 @@ def open_model(
         tensors = _iter_safetensors(_safetensors_files(source.path))
     max_positions = max(max_model_len or 0, config.max_position_embeddings)
     net = build_on_meta(config, torch_dtype, max_positions)
+    quant = None
+    if source.kind == "hf":
+        quant = quant_config(json.loads((source.path / "config.json").read_text()), quantization)
+    elif quantization is not None:
+        quant = quant_config({}, quantization)
+    if quant is not None:
+        quantize_model(net, quant)  # after the dtype cast: FP8 and scales keep theirs
     if storage:
         materialize(net, device)
-    return LoadedModel(net, config, hf_config, source, torch_dtype), tensors
+    return LoadedModel(net, config, hf_config, source, torch_dtype, quant), tensors
 
 
 def _counted(

@@ -1,6 +1,6 @@
-"""models/vocabulary.py gathers the ops of ops.py, moe.py and mla.py, and importing a model
-registers every op it calls without importing the vocabulary (the defining modules import one
-way: moe and mla import ops, never the reverse)."""
+"""models/vocabulary.py gathers the ops of ops.py, moe.py, mla.py and quant.py, and importing a
+model registers every op it calls without importing the vocabulary (the defining modules import
+one way: moe and mla import ops, never the reverse)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from compile_engine.models import mla, moe, ops, vocabulary
+from compile_engine.models import mla, moe, ops, quant, vocabulary
 
 
 def test_the_vocabulary_is_every_module_table():
-    tables = (ops.OPS, moe.MOE_OPS, mla.MLA_OPS)
+    tables = (ops.OPS, moe.MOE_OPS, mla.MLA_OPS, quant.QUANT_OPS)
     assert sum(map(len, tables)) == len(vocabulary.OPS)  # no name defined twice
     for table in tables:
         assert table.items() <= vocabulary.OPS.items()

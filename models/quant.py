@@ -1,0 +1,707 @@
+"""Quantized linear layers: the `quant_linear` op, its quantize / dequantize ops, the scheme they
+take, the module that swaps in for a Linear, and what a checkpoint's quantization_config means.
+
+FP8 (e4m3, max 448) weights with one of three weight-scale kinds, by the checkpoint formats
+production serves on Hopper (compressed-tensors from llm-compressor, DeepSeek-V3 / Qwen "fp8"):
+
+- tensor: one float32 scale for the whole weight, `w ~= q * s`;
+- channel: one scale per output row, [N];
+- block: one scale per (block_n x block_k) tile, [cdiv(N, block_n), cdiv(K, block_k)]
+  (DeepSeek-V3's 128 x 128, checkpoint name `weight_scale_inv`, a multiplier despite the name).
+
+and activations either quantized dynamically per token (a scale per row, amax / 448), quantized
+statically per tensor (the checkpoint's `input_scale`), or left in the model dtype (W8A16). The
+reference (`quant_linear_ref`) is literally that: dequantize the weight, quantize-dequantize the
+activation as the scheme says, matmul in float32, round to the activation dtype. It runs on any
+device (torch 2.13's CPU has float8_e4m3fn tensors) and is every lowering's oracle.
+
+The weight-only 4-bit issue adds int4/int8 weights to the same op: a new `QuantScheme.weight`
+value and its dequantize; the op's schema (x, weight, weight_scale, input_scale, bias, scheme)
+stays.
+
+Quantization arrives by composition (STYLE 13): the model is built as usual on the meta
+device, `quantize_model` swaps each decoder Linear / FusedLinear for a `QuantLinear` of the
+same shape (lm_head stays in the model dtype: it runs outside the compiled graph, and vLLM
+keeps it unquantized too), and the loader fills the new parameters by their checkpoint names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.library import custom_op
+
+from compile_engine.models.errors import CheckpointError, UnsupportedModelError
+from compile_engine.models.layers import FusedLinear, Linear
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# The smallest per-token scale: an all-zero row quantizes to zeros, not NaN.
+MIN_SCALE = 1e-12
+
+WEIGHT_SCALES = ("tensor", "channel", "block")
+ACTIVATIONS = ("none", "token", "tensor")
+
+
+class QuantizationError(UnsupportedModelError):
+    """A quantization setting or a checkpoint's quantization_config is not one this engine
+    runs; the message names the field and what is supported."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuantScheme:
+    """What one quantized linear computes. weight: the stored format ("fp8_e4m3"). weight_scale:
+    "tensor", "channel" or "block" (block: (block_n, block_k) in `block`). activation: "none"
+    (kept in the model dtype, W8A16), "token" (dynamic, one scale a row) or "tensor" (static,
+    the checkpoint's input_scale). Its string form (`str`, `parse`) is what the op carries."""
+
+    weight_scale: str
+    activation: str
+    block: tuple[int, int] | None = None
+    weight: str = "fp8_e4m3"
+
+    def __post_init__(self) -> None:
+        if self.weight != "fp8_e4m3":
+            raise QuantizationError(f"weight format {self.weight!r}: only fp8_e4m3 is built")
+        if self.weight_scale not in WEIGHT_SCALES:
+            raise QuantizationError(
+                f"weight scale {self.weight_scale!r}: one of {', '.join(WEIGHT_SCALES)}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise QuantizationError(
+                f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}"
+            )
+        if (self.weight_scale == "block") != (self.block is not None):
+            raise QuantizationError("a block size goes with block weight scales, and only there")
+        if self.block is not None and (
+            len(self.block) != 2 or any(not isinstance(b, int) or b < 1 for b in self.block)
+        ):
+            raise QuantizationError(f"block size {self.block!r}: want two whole numbers >= 1")
+
+    def __str__(self) -> str:
+        scale = self.weight_scale
+        if self.block is not None:
+            scale = f"block{self.block[0]}x{self.block[1]}"
+        return f"{self.weight}:{scale}:{self.activation}"
+
+    @classmethod
+    def parse(cls, text: str) -> QuantScheme:
+        try:
+            weight, scale, activation = text.split(":")
+        except ValueError:
+            raise QuantizationError(
+                f"quant scheme {text!r}: want weight:scale:activation"
+            ) from None
+        block = None
+        if match := re.fullmatch(r"block(\d+)x(\d+)", scale):
+            scale, block = "block", (int(match[1]), int(match[2]))
+        return cls(scale, activation, block, weight)
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        if self.weight_scale == "tensor":
+            return ()
+        if self.weight_scale == "channel":
+            return (out_features,)
+        bn, bk = self.block
+        return (-(-out_features // bn), -(-in_features // bk))
+
+
+# --------------------------------------------------------------------------- references
+
+
+def quantize_fp8_ref(x: Tensor, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (q [..., K] float8_e4m3fn, scale float32) with x ~= q * scale. scale None:
+    dynamic, one scale a row ([..., 1], the row's amax / 448); given (static, per tensor): the
+    values divided by it, saturated at +-448, and the scale returned as given."""
+    xf = x.float()
+    if scale is None:
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_SCALE) / FP8_MAX
+    else:
+        scale = scale.float()
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def expand_scale(scale: Tensor, shape: tuple[int, int], scheme: QuantScheme) -> Tensor:
+    """The weight scale broadcastable to a [N, K] weight, float32."""
+    scale = scale.float()
+    if scheme.weight_scale == "tensor":
+        return scale.reshape(())
+    if scheme.weight_scale == "channel":
+        return scale.reshape(-1, 1)
+    bn, bk = scheme.block
+    n, k = shape
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def dequantize_fp8_ref(q: Tensor, scale: Tensor, scheme: str, dtype: torch.dtype) -> Tensor:
+    """A quantized weight q [N, K] with its scale (the scheme's kind) -> q * scale in `dtype`."""
+    parsed = QuantScheme.parse(scheme)
+    return (q.float() * expand_scale(scale, tuple(q.shape), parsed)).to(dtype)
+
+
+def quant_linear_ref(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    input_scale: Tensor | None,
+    bias: Tensor | None,
+    scheme: str,
+) -> Tensor:
+    """y = act(x) @ dequant(weight)^T (+ bias) in float32, rounded to x's dtype; act is the
+    scheme's activation quantize-dequantize (or nothing for W8A16)."""
+    parsed = QuantScheme.parse(scheme)
+    w = weight.float() * expand_scale(weight_scale, tuple(weight.shape), parsed)  # [N, K]
+    if parsed.activation == "none":
+        xf = x.float()
+    else:
+        static = input_scale if parsed.activation == "tensor" else None
+        q, scale = quantize_fp8_ref(x, static)
+        xf = q.float() * scale
+    out = xf @ w.t()  # [..., N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+@custom_op("ce::quant_linear", mutates_args=())
+def quant_linear(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    input_scale: Tensor | None,
+    bias: Tensor | None,
+    scheme: str,
+) -> Tensor:
+    """A linear layer over a quantized weight. x [..., K]; weight [N, K] (float8_e4m3fn);
+    weight_scale per `scheme` (QuantScheme: [], [N] or [cdiv(N, bn), cdiv(K, bk)], float32);
+    input_scale [] for static activations, else None; bias [N] or None. Returns [..., N] in
+    x's dtype."""
+    return quant_linear_ref(x, weight, weight_scale, input_scale, bias, scheme)
+
+
+@quant_linear.register_fake
+def quant_linear_fake(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    input_scale: Tensor | None,
+    bias: Tensor | None,
+    scheme: str,
+) -> Tensor:
+    """Shared by every kernel lowering of the op (same schema)."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@custom_op("ce::quantize_fp8", mutates_args=())
+def quantize_fp8(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (q float8_e4m3fn [..., K], scale float32): dynamic per-token scales
+    [..., 1] when scale is None, else the static per-tensor scale given."""
+    q, out_scale = quantize_fp8_ref(x, scale)
+    return q, out_scale.clone() if scale is not None else out_scale
+
+
+@quantize_fp8.register_fake
+def quantize_fp8_fake(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    q = torch.empty_like(x, dtype=FP8_DTYPE)
+    if scale is None:
+        return q, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+    return q, torch.empty_like(scale, dtype=torch.float32)
+
+
+@custom_op("ce::dequantize_fp8", mutates_args=())
+def dequantize_fp8(q: Tensor, scale: Tensor, scheme: str, dtype: torch.dtype) -> Tensor:
+    """A quantized weight [N, K] and its scale (`scheme`'s kind) -> the weight in `dtype`."""
+    return dequantize_fp8_ref(q, scale, scheme, dtype)
+
+
+@dequantize_fp8.register_fake
+def dequantize_fp8_fake(q: Tensor, scale: Tensor, scheme: str, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(q, dtype=dtype)
+
+
+# The ops of this file; models/vocabulary.py gathers them.
+QUANT_OPS = {
+    "quant_linear": (quant_linear, quant_linear_ref),
+    "quantize_fp8": (quantize_fp8, quantize_fp8_ref),
+    "dequantize_fp8": (dequantize_fp8, dequantize_fp8_ref),
+}
+
+
+# --------------------------------------------------------------------------- the module
+
+
+class QuantLinear(nn.Module):
+    """A Linear (or FusedLinear, `shards` set) over an FP8 weight: what `quantize_model` swaps
+    in. Parameters carry the checkpoint's names: `weight` (float8_e4m3fn [N, K]), the weight
+    scale (`weight_scale`, or `weight_scale_inv` for the "fp8" block format), `input_scale`
+    (static activations), `bias`.
+
+    online: the checkpoint holds the model-dtype weight and `load_shard` quantizes it row by
+    row as it arrives (per-channel scales, so a fused parameter's shards quantize on their
+    own); the scale is then a buffer, not a checkpoint tensor. A fused per-tensor weight gets
+    one scale from its shards' (the largest), each shard requantized to it in
+    `finish_loading`, as vLLM does, so that it keeps the per-tensor GEMM."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        shards: dict[str, int] | None = None,
+        scale_name: str = "weight_scale",
+        online: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quant_scheme = scheme
+        self.scheme = str(scheme)
+        self.scale_name, self.online = scale_name, online
+        self.shards = dict(shards or {})
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for shard, width in self.shards.items():
+            self.offsets[shard] = (start, start + width)
+            start += width
+        if self.shards and start != out_features:
+            raise ValueError(f"shards {self.shards} do not sum to {out_features}")
+        if online and (scheme.weight_scale != "channel" or scheme.activation == "tensor"):
+            raise QuantizationError("online quantization makes per-channel scales, dynamic act.")
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        scale = torch.empty(scheme.scale_shape(out_features, in_features), dtype=torch.float32)
+        if online:
+            self.register_buffer(scale_name, scale)
+        else:
+            self.register_parameter(scale_name, nn.Parameter(scale, requires_grad=False))
+        if scheme.activation == "tensor":
+            self.input_scale = nn.Parameter(torch.empty((), dtype=torch.float32), False)
+        else:
+            self.register_parameter("input_scale", None)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        # Per-tensor scales of a fused parameter's shards, until finish_loading: shard -> scale.
+        self._shard_scales: dict[str, Tensor] = {}
+        self._shard_input_scales: dict[str, Tensor] = {}
+
+    @property
+    def scale(self) -> Tensor:
+        """The weight scale, whatever its checkpoint name."""
+        return getattr(self, self.scale_name)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return quant_linear(
+            x, self.weight, getattr(self, self.scale_name), self.input_scale, self.bias, self.scheme
+        )
+
+    def _rows(self, shard: str | None) -> tuple[int, int]:
+        return self.offsets[shard] if shard is not None else (0, self.out_features)
+
+    def load_shard(self, param: Tensor, tensor: Tensor, shard: str | None, name: str) -> None:
+        start, end = self._rows(shard)
+        scheme = self.quant_scheme
+        with torch.no_grad():
+            if param is self.weight:
+                dst = param[start:end]
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise CheckpointError(
+                        f"tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                        f"{tuple(dst.shape)}"
+                    )
+                if self.online:
+                    q, scale = quantize_fp8_ref(tensor.to(dst.device))  # per row
+                    dst.copy_(q)
+                    self.scale[start:end].copy_(scale.reshape(-1))
+                    return
+                if tensor.dtype != FP8_DTYPE:
+                    raise CheckpointError(
+                        f"tensor {name} is {tensor.dtype}; an FP8 checkpoint's weights are "
+                        "float8_e4m3fn (for a model-dtype checkpoint use quantization='fp8')"
+                    )
+                dst.copy_(tensor)
+            elif param is self.input_scale:
+                if tensor.numel() != 1:
+                    raise CheckpointError(f"tensor {name}: a per-tensor input scale, got "
+                                          f"shape {tuple(tensor.shape)}")  # fmt: skip
+                if shard is None:
+                    param.copy_(tensor.reshape(()))
+                else:
+                    self._shard_input_scales[shard] = tensor.reshape(()).float().clone()
+            elif param is self.bias:
+                if tuple(tensor.shape) != (end - start,):
+                    raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the "
+                                          f"model expects ({end - start},)")  # fmt: skip
+                param[start:end].copy_(tensor)
+            elif param is self.scale:
+                self._load_scale(param, tensor, shard, name, start, end, scheme)
+            else:  # pragma: no cover (the loader only passes this module's parameters)
+                raise CheckpointError(f"tensor {name}: no such parameter in {type(self).__name__}")
+
+    def _load_scale(
+        self,
+        param: Tensor,
+        tensor: Tensor,
+        shard: str | None,
+        name: str,
+        start: int,
+        end: int,
+        scheme: QuantScheme,
+    ) -> None:
+        if scheme.weight_scale == "tensor":
+            if tensor.numel() != 1:
+                raise CheckpointError(
+                    f"tensor {name}: a per-tensor weight scale, got shape {tuple(tensor.shape)}"
+                )
+            if shard is None:
+                param.copy_(tensor.reshape(()))
+            else:
+                self._shard_scales[shard] = tensor.reshape(()).float().clone()
+            return
+        if scheme.weight_scale == "channel":
+            want = end - start
+            if tensor.numel() != want:
+                raise CheckpointError(f"tensor {name}: {want} per-channel scales expected, "
+                                      f"got shape {tuple(tensor.shape)}")  # fmt: skip
+            param[start:end].copy_(tensor.reshape(-1))
+            return
+        bn, _ = scheme.block
+        if start % bn or (end % bn and end != self.out_features):
+            raise CheckpointError(
+                f"tensor {name}: block scales of {bn} rows cannot split at rows {start}:{end} "
+                "of the fused parameter"
+            )
+        dst = param[start // bn : -(-end // bn)]
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the model "
+                                  f"expects {tuple(dst.shape)} block scales")  # fmt: skip
+        dst.copy_(tensor)
+
+    def finish_loading(self) -> None:
+        """After every tensor is read: a fused per-tensor weight takes its shards' largest
+        scale, each shard's rows requantized to it; a fused static input scale the largest."""
+        with torch.no_grad():
+            if self._shard_scales:
+                if set(self._shard_scales) != set(self.shards):
+                    missing = sorted(set(self.shards) - set(self._shard_scales))
+                    raise CheckpointError(f"weight scales missing for shards {missing}")
+                top = max(s.item() for s in self._shard_scales.values())
+                for shard, scale in self._shard_scales.items():
+                    if scale.item() != top:
+                        start, end = self.offsets[shard]
+                        rows = self.weight[start:end]
+                        rows.copy_(
+                            (rows.float() * (scale.item() / top))
+                            .clamp(-FP8_MAX, FP8_MAX)
+                            .to(FP8_DTYPE)
+                        )
+                self.scale.fill_(top)
+                self._shard_scales.clear()
+            if self._shard_input_scales:
+                self.input_scale.fill_(max(s.item() for s in self._shard_input_scales.values()))
+                self._shard_input_scales.clear()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+# Families whose every projection is a Linear / FusedLinear and whose op graph the quantized
+# GEMM pass was tested on. MoE experts (StackedExperts) and MLA's projections are not built.
+QUANTIZABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QUANTIZATIONS = ("fp8",)  # what quantization= takes (vLLM's name)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """How a model is quantized: `method` ("compressed-tensors" or "fp8", from the checkpoint's
+    quantization_config; "online-fp8" for quantization="fp8" over a model-dtype checkpoint),
+    the scheme every quantized layer runs, the checkpoint name of the weight scale, and the
+    modules left in the model dtype (exact names, or "re:" regular expressions, as
+    compressed-tensors writes them; lm_head always)."""
+
+    method: str
+    scheme: QuantScheme
+    scale_name: str = "weight_scale"
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def online(self) -> bool:
+        return self.method == "online-fp8"
+
+    def ignores(self, module_name: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return True
+        return False
+
+    def describe(self) -> dict:
+        """What the artifact manifest records and `inspect` shows."""
+        return {
+            "method": self.method,
+            "scheme": str(self.scheme),
+            "weight_scale": self.scheme.weight_scale,
+            "block": list(self.scheme.block) if self.scheme.block else None,
+            "activation": self.scheme.activation,
+            "scale_name": self.scale_name,
+            "ignore": list(self.ignore),
+        }
+
+
+def quant_config(raw_config: dict, quantization: str | None) -> QuantConfig | None:
+    """The QuantConfig of a checkpoint (its config.json as a dict) run with `quantization`
+    (None, or "fp8": vLLM's online FP8 of a model-dtype checkpoint, dynamic per-token
+    activations and per-channel weights; an FP8 checkpoint asked for "fp8" runs as saved).
+    None: not quantized. Anything else is a QuantizationError naming the field."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise QuantizationError(
+            f"quantization={quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}"
+        )
+    section = raw_config.get("quantization_config")
+    if section is None:
+        if quantization is None:
+            return None
+        return QuantConfig("online-fp8", QuantScheme("channel", "token"))
+    method = section.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(section)
+    if method == "fp8":
+        return _fp8_method(section)
+    raise QuantizationError(
+        f"quantization_config.quant_method={method!r} is not supported; this engine loads "
+        "'compressed-tensors' (FP8 float-quantized) and 'fp8' checkpoints"
+    )
+
+
+def _compressed_tensors(section: dict) -> QuantConfig:
+    where = "quantization_config"
+    fmt = section.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise QuantizationError(
+            f"{where}.format={fmt!r} is not supported; FP8 checkpoints are 'float-quantized'"
+        )
+    groups = section.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantizationError(
+            f"{where}.config_groups has {len(groups)} groups; one FP8 group over Linear layers "
+            "is supported"
+        )
+    (name, group), = groups.items()  # fmt: skip
+    where = f"{where}.config_groups.{name}"
+    if group.get("targets") != ["Linear"]:
+        raise QuantizationError(f"{where}.targets={group.get('targets')!r}; want ['Linear']")
+    weights = group.get("weights") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise QuantizationError(
+            f"{where}.weights: type {weights.get('type')!r}, num_bits {weights.get('num_bits')!r}"
+            "; only 8-bit float (FP8 e4m3) weights are supported"
+        )
+    if weights.get("dynamic") or weights.get("symmetric") is False:
+        raise QuantizationError(f"{where}.weights: want static symmetric FP8 weights")
+    strategy = weights.get("strategy")
+    block = None
+    if strategy == "block":
+        structure = weights.get("block_structure")
+        if not (isinstance(structure, list) and len(structure) == 2):
+            raise QuantizationError(f"{where}.weights.block_structure={structure!r}: want [n, k]")
+        block = (int(structure[0]), int(structure[1]))
+    elif strategy not in ("tensor", "channel"):
+        raise QuantizationError(
+            f"{where}.weights.strategy={strategy!r} is not supported; tensor, channel or block"
+        )
+    acts = group.get("input_activations")
+    if acts is None:
+        activation = "none"
+    elif strategy == "block" and acts.get("strategy") == "group" and acts.get("dynamic"):
+        # llm-compressor's FP8_BLOCK (1 x 128 activation groups): run W8A16, as the "fp8"
+        # method's block checkpoints (_fp8_method says why).
+        activation = "none"
+    else:
+        if acts.get("type") != "float" or acts.get("num_bits") != 8:
+            raise QuantizationError(f"{where}.input_activations: only FP8 activations")
+        kind = (acts.get("strategy"), bool(acts.get("dynamic")))
+        activation = {("token", True): "token", ("tensor", False): "tensor"}.get(kind)
+        if activation is None:
+            raise QuantizationError(
+                f"{where}.input_activations: strategy {kind[0]!r} with dynamic={kind[1]} is not "
+                "supported; dynamic per-token or static per-tensor"
+            )
+    return QuantConfig(
+        "compressed-tensors",
+        QuantScheme(strategy, activation, block),
+        ignore=tuple(section.get("ignore") or ()),
+    )
+
+
+def _fp8_method(section: dict) -> QuantConfig:
+    where = "quantization_config"
+    fmt = section.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantizationError(f"{where}.fmt={fmt!r} is not supported; e4m3")
+    scheme_name = section.get("activation_scheme", "dynamic")
+    block = section.get("weight_block_size")
+    ignore = tuple(section.get("modules_to_not_convert") or section.get("ignored_layers") or ())
+    if block is not None:
+        if not (isinstance(block, list) and len(block) == 2):
+            raise QuantizationError(f"{where}.weight_block_size={block!r}: want [n, k]")
+        if scheme_name != "dynamic":
+            raise QuantizationError(
+                f"{where}.activation_scheme={scheme_name!r} with weight_block_size: only dynamic"
+            )
+        # Block weights run W8A16 here: the Triton GEMM applies the block scales per K-tile at
+        # every row count, with the activation in the model dtype (more exact than the
+        # checkpoint's own 1 x 128 activation groups, and a decode step is weight-bound).
+        scheme = QuantScheme("block", "none", (int(block[0]), int(block[1])))
+        return QuantConfig("fp8", scheme, scale_name="weight_scale_inv", ignore=ignore)
+    activation = {"dynamic": "token", "static": "tensor"}.get(scheme_name)
+    if activation is None:
+        raise QuantizationError(
+            f"{where}.activation_scheme={scheme_name!r}: one of 'dynamic', 'static'"
+        )
+    return QuantConfig("fp8", QuantScheme("tensor", activation), ignore=ignore)
+
+
+def quantize_model(model: nn.Module, config: QuantConfig) -> list[str]:
+    """Swap every Linear / FusedLinear of the model's decoder for a QuantLinear of the same
+    shape (on the model's device: meta, before storage), except lm_head and what `config`
+    ignores. Call after the model's dtype is set: FP8 and float32 scale parameters must not be
+    cast to it. Returns the swapped modules' names."""
+    arch = model.config.architecture
+    if arch not in QUANTIZABLE:
+        raise QuantizationError(
+            f"FP8 quantization of {arch} is not supported; it runs {', '.join(QUANTIZABLE)} "
+            "(MoE experts and MLA are not built)"
+        )
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if type(module) not in (Linear, FusedLinear) or name == "lm_head":
+            continue
+        if config.ignores(name):
+            continue
+        out_features, in_features = module.weight.shape
+        with torch.device(module.weight.device):  # meta: no storage for the new parameters
+            replacement = QuantLinear(
+                in_features,
+                out_features,
+                config.scheme,
+                bias=module.bias is not None,
+                dtype=module.weight.dtype,
+                shards=module.shards if isinstance(module, FusedLinear) else None,
+                scale_name=config.scale_name,
+                online=config.online,
+            )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, replacement)
+        swapped.append(name)
+    if not swapped:
+        raise QuantizationError(f"no layer of {arch} was quantized (is the ignore list right?)")
+    return swapped
+
+
+# --------------------------------------------------------------------------- writing checkpoints
+
+# FP8 checkpoint layouts `bench make-model --quantize` and the tests write: name -> (config of
+# weights' scale, activation, block) as the formats spell them.
+CHECKPOINT_LAYOUTS = ("ct-tensor", "ct-channel", "ct-block", "fp8-block", "fp8-tensor")
+# The static input scale written for random-weight checkpoints (no calibration data): |x| up to 8.
+STATIC_INPUT_SCALE = 8.0 / FP8_MAX
+
+
+def _layout_scheme(layout: str, block: tuple[int, int]) -> tuple[QuantScheme, str]:
+    if layout not in CHECKPOINT_LAYOUTS:
+        raise QuantizationError(f"layout {layout!r}: one of {', '.join(CHECKPOINT_LAYOUTS)}")
+    schemes = {
+        "ct-tensor": (QuantScheme("tensor", "tensor"), "weight_scale"),
+        "ct-channel": (QuantScheme("channel", "token"), "weight_scale"),
+        "ct-block": (QuantScheme("block", "none", block), "weight_scale"),
+        "fp8-block": (QuantScheme("block", "none", block), "weight_scale_inv"),
+        "fp8-tensor": (QuantScheme("tensor", "token"), "weight_scale"),
+    }
+    return schemes[layout]
+
+
+def is_quantized_checkpoint_weight(name: str) -> bool:
+    """The checkpoint tensors an FP8 checkpoint of a Llama-family model quantizes: the decoder
+    projections' weights (not lm_head, embeddings or norms)."""
+    return ".layers." in name and name.endswith("_proj.weight")
+
+
+def quantize_checkpoint_tensor(
+    name: str, tensor: Tensor, layout: str, block: tuple[int, int] = (128, 128)
+) -> dict[str, Tensor]:
+    """One checkpoint tensor as `layout` stores it: a projection weight becomes its FP8 weight
+    and scale(s) (and a static input scale), anything else stays as it is."""
+    if not is_quantized_checkpoint_weight(name):
+        return {name: tensor}
+    scheme, scale_name = _layout_scheme(layout, block)
+    prefix = name.removesuffix(".weight")
+    w = tensor.float()
+    if scheme.weight_scale == "tensor":
+        scale = w.abs().amax().clamp_min(MIN_SCALE) / FP8_MAX
+        stored_scale = scale.reshape(1)
+    elif scheme.weight_scale == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(MIN_SCALE) / FP8_MAX  # [N, 1]
+        stored_scale = scale
+    else:
+        bn, bk = block
+        n, k = w.shape
+        padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=w.dtype, device=w.device)
+        padded[:n, :k] = w
+        tiles = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        stored_scale = tiles.abs().amax(dim=(1, 3)).clamp_min(MIN_SCALE) / FP8_MAX
+        scale = expand_scale(stored_scale, (n, k), scheme)
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    out = {name: q, f"{prefix}.{scale_name}": stored_scale.float().contiguous()}
+    if scheme.activation == "tensor":
+        out[f"{prefix}.input_scale"] = torch.tensor([STATIC_INPUT_SCALE], dtype=torch.float32)
+    return out
+
+
+def checkpoint_quantization_config(layout: str, block: tuple[int, int] = (128, 128)) -> dict:
+    """The config.json `quantization_config` of an FP8 checkpoint written as `layout`."""
+    scheme, _ = _layout_scheme(layout, block)
+    if layout.startswith("fp8-"):
+        section = {"quant_method": "fp8", "fmt": "e4m3"}
+        section["activation_scheme"] = "dynamic"
+        if scheme.block is not None:
+            section["weight_block_size"] = list(block)
+        return section
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    weights["strategy"] = scheme.weight_scale
+    if scheme.block is not None:
+        weights["block_structure"] = list(block)
+    acts = None
+    if scheme.activation == "token":
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+        acts["strategy"] = "token"
+    elif scheme.activation == "tensor":
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+        acts["strategy"] = "tensor"
+    elif scheme.block is not None:  # llm-compressor's FP8_BLOCK: 1 x 128 activation groups
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+        acts.update(strategy="group", group_size=block[1])
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+        },
+        "ignore": ["lm_head"],
+    }
