@@ -50,6 +50,8 @@ def engine_settings(llm) -> dict:
         if llm.engine.compiled
         else None,
         "cuda_graphs": _graph_summary(llm.engine.runner.graphs),
+        # FP8 (models/quant.py): method, scheme, scale kinds; None in the model dtype.
+        "quantization": llm.engine.loaded.quant.describe() if llm.engine.loaded.quant else None,
     }
 
 

@@ -8,6 +8,13 @@ neither an fp32 8B model nor a full bf16 copy is ever held. Norm weights are one
 init, so activations keep a sane scale through 32 layers.
 
     compile-engine bench make-model llama3-8b --out /tmp/llama3-8b --device cuda
+
+`--quantize LAYOUT` writes an FP8 checkpoint instead (models/quant.py's CHECKPOINT_LAYOUTS):
+`ct-channel` is compressed-tensors FP8_DYNAMIC as llm-compressor saves it (per-channel weight
+scales, dynamic per-token activations), `ct-tensor` static per-tensor scales with an input
+scale, `ct-block` / `fp8-block` 128 x 128 block scales (compressed-tensors, or DeepSeek-V3's
+`weight_scale_inv`), `fp8-tensor` the "fp8" method's per-tensor form. Each projection is drawn
+in the model dtype and quantized on the drawing device; lm_head, embeddings and norms stay.
 """
 
 from __future__ import annotations
@@ -152,7 +159,25 @@ def _random_tensor(
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     t = torch.randn(shape, dtype=dtype, device=device, generator=gen)
-    return t.mul_(0.02).cpu()
+    return t.mul_(0.02)
+
+
+def _checkpoint_tensors(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+    quantize: str | None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one model tensor, on the host: itself, or quantized."""
+    tensor = _random_tensor(name, shape, dtype, device, gen)
+    if quantize is None:
+        return {name: tensor.cpu()}
+    from compile_engine.models.quant import quantize_checkpoint_tensor
+
+    parts = quantize_checkpoint_tensor(name, tensor, quantize)
+    return {k: v.cpu() for k, v in parts.items()}
 
 
 def make_model(
@@ -164,8 +189,9 @@ def make_model(
     dtype: str | None = None,
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
+    quantize: str | None = None,
 ) -> Path:
-    """Write the model directory and return it."""
+    """Write the model directory and return it; `quantize` names an FP8 checkpoint layout."""
     from safetensors.torch import save_file
 
     config = hf_config(preset, layers)
@@ -175,6 +201,10 @@ def make_model(
     torch_dtype = _DTYPES[dtype_name]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if quantize is not None:
+        from compile_engine.models.quant import checkpoint_quantization_config
+
+        config.quantization_config = checkpoint_quantization_config(quantize)
     config.save_pretrained(out)
 
     specs = tensor_specs(config)
@@ -189,7 +219,9 @@ def make_model(
             if len(shards) == 1
             else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        tensors = {name: _random_tensor(name, s, torch_dtype, device, gen) for name, s in shard}
+        tensors = {}
+        for name, s in shard:
+            tensors.update(_checkpoint_tensors(name, s, torch_dtype, device, gen, quantize))
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = file
@@ -209,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="override the dtype")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["ct-tensor", "ct-channel", "ct-block", "fp8-block", "fp8-tensor"],
+        help="write an FP8 checkpoint in this layout (module docstring)",
+    )
     return p
 
 
@@ -222,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers,
         dtype=args.dtype,
         seed=args.seed,
+        quantize=args.quantize,
     )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")

@@ -90,6 +90,7 @@ def _build_artifact(args: argparse.Namespace, out: str, progress, steps):
         block_size=args.block_size,
         passes=args.passes,
         kernel_config=KernelConfig.coerce(args.kernel_config),
+        quantization=args.quantization,
         progress=progress,
         steps=steps,
         # The KV pool's activation reserve for the step sizes of `serve` and of `LLM` with
@@ -136,6 +137,12 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"tuning     key {tuning.get('key')}: {scalars}")
     for kernel, table in tuning.get("tables", {}).items():
         print(f"  table {kernel}: {table['file']} ({table['sha256']})")
+    quant = manifest.quantization
+    if quant:
+        print(
+            f"quantized  {quant['method']} {quant['scheme']}: {len(quant['layers'])} layers "
+            f"(weight scales per {quant['weight_scale']}, activations {quant['activation']})"
+        )
     print("timings    " + ", ".join(f"{k} {v}" for k, v in manifest.timings.items()))
     return 0
 
@@ -285,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
     build.add_argument(
         "--kernel-config", default=None, help="our kernels' launch choices as JSON (see serve)"
+    )
+    build.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="online FP8 (see serve)"
     )
     build.set_defaults(func=_build)
 

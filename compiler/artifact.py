@@ -114,6 +114,9 @@ class Manifest:
     # The KernelConfig the build compiled with (kernels_generated/tuning.py, `describe()`): a
     # load runs the same kernels with the same settings, whatever its environment.
     kernel_config: dict = field(default_factory=dict)
+    # The model's quantization (models/quant.py, `quantized_layers`): method, scheme, scale
+    # kinds and the quantized layers; None for a model run in its dtype.
+    quantization: dict | None = None
     format: int = FORMAT_VERSION
     engine_version: str = ENGINE_VERSION
 
@@ -130,6 +133,8 @@ class Manifest:
             self.pass_manager_uuid,
             self.kernel_config.get("key"),
         ]
+        if self.quantization is not None:  # unquantized artifacts keep their keys
+            factors.append(self.quantization.get("scheme"))
         return hashlib.sha256(json.dumps(factors).encode()).hexdigest()[:16]
 
     def write(self, directory: Path) -> Path:

@@ -32,6 +32,7 @@ from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.config import config_to_dict
 from compile_engine.models.loader import LoadedModel, export_hf_checkpoint, load_model
+from compile_engine.models.quant import quantized_layers
 from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def build_artifact(
     block_size: int = 16,
     passes: str | None = None,
     kernel_config: KernelConfig | None = None,
+    quantization: str | None = None,
     progress: Callable[[str, float], None] | None = None,
     steps: Callable[[str, int, int | None], None] | None = None,
     extra_steps: dict[str, BuildStep] | None = None,
@@ -73,9 +75,10 @@ def build_artifact(
     """Compile `model` for `target` into the artifact directory `out`; return its manifest.
     max_cuda_graph_tokens (None: MAX_GRAPH_TOKENS) bounds the graph sizes warmed up here, so
     that serve's graphs of the same bound find their kernels in the artifact. kernel_config:
-    our kernels' launch choices (None: the defaults), recorded in the manifest. progress hears
-    each stage's time when it ends; steps the compile's pieces and the warm-up's sizes as they
-    go (task, done, total)."""
+    our kernels' launch choices (None: the defaults), recorded in the manifest. quantization:
+    None or "fp8" (online FP8, models/quant.py); the manifest lists the quantized layers.
+    progress hears each stage's time when it ends; steps the compile's pieces and the warm-up's
+    sizes as they go (task, done, total)."""
     kernel_config = kernel_config or tuning.default()
     max_cuda_graph_tokens = max_cuda_graph_tokens or MAX_GRAPH_TOKENS
     say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
@@ -88,7 +91,9 @@ def build_artifact(
     device = torch.device("cuda" if target == "h100" else "cpu")
     t0 = time.perf_counter()
 
-    loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    loaded = load_model(
+        model, dtype=dtype, device=device, max_model_len=max_model_len, quantization=quantization
+    )
     t_load = time.perf_counter() - t0
     say("load", t_load)
 
@@ -182,6 +187,7 @@ def build_artifact(
             max_num_batched_tokens=max_num_batched_tokens,
             max_cuda_graph_tokens=max_cuda_graph_tokens,
             block_size=block_size,
+            quantization=quantization,
         ),
         passes=compiled.pass_manager.describe(),
         pass_manager_uuid=compiled.pass_manager.uuid(),
@@ -192,6 +198,7 @@ def build_artifact(
         model_config=config_to_dict(cfg),
         tokenizer_class=tokenizer_class,
         kernel_config=kernel_config.describe(),
+        quantization=quantized_layers(loaded.model, loaded.quant),
         timings=dict(
             load_s=round(t_load, 2),
             trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),

@@ -226,6 +226,11 @@ def export_hf_checkpoint(model: nn.Module, hf_config, directory: Path) -> Path:
     checkpoint (GGUF) becomes inside an artifact, so that loading it needs no conversion."""
     from safetensors.torch import save_file
 
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise CheckpointError(
+            "a quantized model is not exported (its FP8 weights would need a quantization_config"
+            "); build the artifact without --quantization, or from an FP8 HF checkpoint"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}

@@ -577,6 +577,15 @@ def _fp8_method(section: dict) -> QuantConfig:
     return QuantConfig("fp8", QuantScheme("tensor", activation), ignore=ignore)
 
 
+def quantized_layers(model: nn.Module, config: QuantConfig | None) -> dict | None:
+    """The artifact manifest's record of a model's quantization: the config's `describe()` and
+    the names of its QuantLinear layers (None when the model is not quantized)."""
+    if config is None:
+        return None
+    layers = [name for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    return {**config.describe(), "layers": layers}
+
+
 def quantize_model(model: nn.Module, config: QuantConfig) -> list[str]:
     """Swap every Linear / FusedLinear of the model's decoder for a QuantLinear of the same
     shape (on the model's device: meta, before storage), except lm_head and what `config`

@@ -258,6 +258,13 @@ class _Start:
                 f"with the new one: {manifest.rebuild_hint(artifact)}"
             )
         config.kernel_config = built
+        quantization = manifest.engine_args.get("quantization")
+        if config.quantization is not None and config.quantization != quantization:
+            raise EngineConfigError(
+                f"artifact {artifact} was built with quantization={quantization!r}, not "
+                f"{config.quantization!r}; drop quantization to use the artifact's, or rebuild"
+            )
+        config.quantization = quantization
         model = manifest.model_path
         if manifest.weights_path:
             model = str(artifact / manifest.weights_path)
@@ -293,6 +300,7 @@ class _Start:
             max_model_len=self.config.max_model_len,
             config=config_from_dict(stored) if stored else None,
             storage=False,
+            quantization=self.config.quantization,
         )
         # Settings the model's config decides, checked before the read starts.
         _max_model_len(loaded.config, self.config.max_model_len)

@@ -66,6 +66,13 @@ def add_engine_options(
         help="our kernels' launch choices as JSON, e.g. '{\"pdl\": false}' "
         "(kernels_generated/tuning.py; default: the tuned defaults)",
     )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: quantize a bf16/fp16 checkpoint's linear layers to FP8 at load (per-channel "
+        "weights, dynamic per-token activations, as vLLM's); FP8 checkpoints need no flag",
+    )
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
         "--reasoning-parser",
@@ -97,6 +104,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         passes=args.passes,
         kernel_config=args.kernel_config,
+        quantization=getattr(args, "quantization", None),
         cuda_graphs=not args.no_cuda_graphs,
         async_scheduling=not getattr(args, "no_async_scheduling", False),
         reasoning_parser=getattr(args, "reasoning_parser", None),

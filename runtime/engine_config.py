@@ -59,6 +59,10 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # A structured-output grammar that takes longer to compile is refused (a 400).
     grammar_compile_timeout_s: float = 5.0
+    # None, or "fp8": vLLM's online FP8 of a model-dtype checkpoint (per-channel weights,
+    # dynamic per-token activations); an FP8 checkpoint runs as saved either way
+    # (models/quant.py). An artifact's own when loading one.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -109,6 +113,14 @@ class EngineConfig:
                 select(self.passes)
             except UnknownPassError as exc:
                 raise EngineConfigError(f"passes={self.passes!r}: {exc}") from None
+        if self.quantization is not None:
+            from compile_engine.models.quant import QUANTIZATIONS
+
+            if self.quantization not in QUANTIZATIONS:
+                raise EngineConfigError(
+                    f"quantization={self.quantization!r} is not supported; use one of "
+                    f"{', '.join(QUANTIZATIONS)} (or none)"
+                )
         if self.kernel_config is not None:
             try:
                 self.kernel_config = KernelConfig.coerce(self.kernel_config)

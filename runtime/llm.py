@@ -41,6 +41,7 @@ class LLM:
         async_scheduling: bool = True,
         reasoning_parser: str | None = None,
         grammar_compile_timeout_s: float = 5.0,
+        quantization: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -62,6 +63,7 @@ class LLM:
             async_scheduling=async_scheduling,
             reasoning_parser=reasoning_parser,
             grammar_compile_timeout_s=grammar_compile_timeout_s,
+            quantization=quantization,
         )
         self.engine = LLMEngine(config)
 
