@@ -67,6 +67,10 @@ COMMANDS = {
         "compile_engine.benchmarks.gemm",
         "decode-size GEMMs: cuBLAS vs the Triton skinny GEMM sweep",
     ),
+    "fp8-gemm": (
+        "compile_engine.benchmarks.fp8_gemm",
+        "the FP8 skinny GEMM's config sweep, and _scaled_mm above 16 rows",
+    ),
     "gemm-norm": (
         "compile_engine.benchmarks.gemm_norm",
         "the fused add_rms_norm + skinny GEMM vs unfused",

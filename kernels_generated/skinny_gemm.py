@@ -123,6 +123,9 @@ def _skinny_gemm_kernel(
     stride_sm,
     eps,
     w_desc,  # TMA: a tensor descriptor of w, block [BLOCK_N, BLOCK_K] (else w again, unused)
+    w_scale_ptr,  # W_SCALE: the FP8 weight's scale, [] / [N] / [cdiv(N, SBN), cdiv(K, SBK)]
+    x_scale_ptr,  # X_SCALE: the FP8 activation's scale, [M] a row or []
+    stride_wsn,  # W_SCALE 3: the block scales' row stride
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -136,6 +139,15 @@ def _skinny_gemm_kernel(
     NORM: tl.constexpr = 0,  # x := rms_norm(x + residual) * g on the fly: 1 two passes, 2 one
     GATED: tl.constexpr = False,  # w is [2N, K] = [gate; up]: out = silu(x @ gate^T) * (x @ up^T)
     TMA: tl.constexpr = False,  # the weight's tiles through w_desc (the Hopper TMA unit)
+    # FP8 (kernels_generated/fp8_linear.py): w is float8_e4m3fn, scaled by w_scale_ptr: 0 not
+    # FP8, 1 one scale, 2 one a row (channel), 3 one a (SBN x SBK) block, applied per K-tile
+    # (BLOCK_K divides SBK). X_SCALE: x is FP8 too, scaled 1 per row, 2 by one scale; 0: x is
+    # half precision and the weight tile is upcast to it in registers (W8A16).
+    W_SCALE: tl.constexpr = 0,
+    X_SCALE: tl.constexpr = 0,
+    SBN: tl.constexpr = 1,
+    SBK: tl.constexpr = 1,
+    LINE: tl.constexpr = 64,  # PREFETCH: weight elements a 128-byte line
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -162,7 +174,7 @@ def _skinny_gemm_kernel(
         # program's first tiles into L2 while that kernel finishes, then wait for its output.
         # One prefetch a 128-byte line (64 half-precision elements); rows past N re-fetch row 0.
         rows = tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn
-        lines = k_start + tl.arange(0, BLOCK_K // 64) * 64
+        lines = k_start + tl.arange(0, BLOCK_K // LINE) * LINE
         prefetched = tl.minimum(k_tiles, PREFETCH)
         for k in range(0, prefetched * BLOCK_K, BLOCK_K):
             tl.inline_asm_elementwise(
@@ -225,6 +237,9 @@ def _skinny_gemm_kernel(
         else:
             in_k = (k_start + k + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        if W_SCALE > 0 and X_SCALE == 0 and MODE != 2:
+            # W8A16: e4m3 is exact in bf16/fp16, so the upcast tile is the stored weight.
+            w = w.to(x.dtype)
         if NORM > 0:
             # float32 arithmetic rounded where the reference rounds: a half-precision op on
             # the GPU is that anyway, and the interpreter computes bf16 wrongly.
@@ -251,7 +266,19 @@ def _skinny_gemm_kernel(
                 x = (g[None, :].to(tl.float32) * row.to(tl.float32)).to(x.dtype)
             r_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
-        if MODE == 0:
+        if W_SCALE == 3:
+            # This K-tile's block scale of each weight row (BLOCK_K divides SBK): the tile's
+            # products are scaled before they join the sum.
+            s_ptrs = w_scale_ptr + (offs_n // SBN) * stride_wsn + (k_start + k) // SBK
+            s_blk = tl.load(s_ptrs, mask=mask_n, other=0.0)
+            if MODE == 0:
+                acc += tl.dot(x, tl.trans(w)) * s_blk[None, :]
+            elif MODE == 1:
+                acc += tl.dot(w, tl.trans(x)) * s_blk[:, None]
+            else:
+                prod = w[:, None, :].to(tl.float32) * x[None, :, :].to(tl.float32)
+                acc += tl.sum(prod, axis=2) * s_blk[:, None]
+        elif MODE == 0:
             acc = tl.dot(x, tl.trans(w), acc)
         elif MODE == 1:
             acc = tl.dot(w, tl.trans(x), acc)
@@ -311,6 +338,23 @@ def _skinny_gemm_kernel(
             acc = acc * rstd[None, :]
             if GATED:
                 acc_up = acc_up * rstd[None, :]
+    # The FP8 scales in the epilogue: linear, so each split-K partial takes them as the sum.
+    if W_SCALE == 1:
+        acc = acc * tl.load(w_scale_ptr)
+    if W_SCALE == 2:
+        s_row = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+        if MODE == 0:  # noqa: SIM108 (a statement per layout reads as the loop's do)
+            acc = acc * s_row[None, :]
+        else:
+            acc = acc * s_row[:, None]
+    if X_SCALE == 1:
+        s_tok = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        if MODE == 0:  # noqa: SIM108
+            acc = acc * s_tok[:, None]
+        else:
+            acc = acc * s_tok[None, :]
+    if X_SCALE == 2:
+        acc = acc * tl.load(x_scale_ptr)
     if GATED:
         # silu_and_mul as its reference rounds: the GEMM's outputs in the activation dtype,
         # F.silu rounded, the product rounded at the store.
@@ -362,9 +406,17 @@ def _counters(device: torch.device) -> Tensor:
     return arrival_counters("skinny_gemm", device, MAX_TILES, SkinnyGemmError)
 
 
-def _validate(x: Tensor, w: Tensor) -> None:
+def _validate(x: Tensor, w: Tensor, fp8: bool = False) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise SkinnyGemmError(f"want x [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    if fp8:
+        if w.dtype != torch.float8_e4m3fn:
+            raise SkinnyGemmError(f"an FP8 launch takes a float8_e4m3fn weight, not {w.dtype}")
+        if x.device.type == "cpu":
+            raise SkinnyGemmError(
+                "the FP8 skinny GEMM runs on CUDA only: the Triton interpreter cannot cast FP8"
+            )
+        return
     if x.dtype != w.dtype:
         raise SkinnyGemmError(f"x is {x.dtype} and w {w.dtype}; the kernel wants one dtype")
     if x.device.type == "cpu" and not INTERPRETED:
@@ -378,14 +430,38 @@ def _validate(x: Tensor, w: Tensor) -> None:
         )
 
 
-def prefetch_tiles(kernel_config: KernelConfig, x: Tensor, block_k: int, even_k: bool) -> int:
+def prefetch_tiles(kernel_config: KernelConfig, w: Tensor, block_k: int, even_k: bool) -> int:
     """The PREFETCH constexpr of a PDL launch: the config's `pdl_prefetch_tiles` leading
     K-tiles of the weight slice, where the prefetch can cover whole BLOCK_K tiles of
-    half-precision rows (EVEN_K launches; one prefetch a 128-byte line); else 0."""
-    half = x.element_size() == 2
-    if even_k and block_k % 64 == 0 and half:
+    half-precision or FP8 rows (EVEN_K launches; one prefetch a 128-byte line); else 0."""
+    line = 128 // w.element_size()
+    if even_k and block_k % line == 0 and w.element_size() in (1, 2):
         return kernel_config.pdl_prefetch_tiles
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Operands:
+    """What an FP8 launch adds (kernels_generated/fp8_linear.py): the weight's scale and its
+    kind ("tensor", "channel", "block" with `block` (n, k)), the activation's scale when x is
+    FP8 too ([M] one a row, or [] one for all; None: x is half precision, W8A16), and the
+    output dtype."""
+
+    w_scale: Tensor
+    kind: str
+    out_dtype: torch.dtype
+    x_scale: Tensor | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def w_mode(self) -> int:
+        return {"tensor": 1, "channel": 2, "block": 3}[self.kind]
+
+    @property
+    def x_mode(self) -> int:
+        if self.x_scale is None:
+            return 0
+        return 2 if self.x_scale.numel() == 1 else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,12 +553,14 @@ def _launch(
     config: LaunchConfig,
     kernel_config: KernelConfig,
     gated: bool = False,
+    fp8: Fp8Operands | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     mode, block_m, block_n, block_k = config.mode, config.block_m, config.block_n, config.block_k
     split_k, programs_per_sm = config.split_k, config.programs_per_sm
     num_rows, k_size = x.shape
     n_size = w.shape[0] // 2 if gated else w.shape[0]  # output columns
-    out = torch.empty(num_rows, n_size, dtype=x.dtype, device=x.device)
+    out_dtype = fp8.out_dtype if fp8 is not None else x.dtype
+    out = torch.empty(num_rows, n_size, dtype=out_dtype, device=x.device)
     summed = torch.empty_like(x) if norm is not None else None
     if num_rows == 0:
         return out, summed
@@ -518,6 +596,19 @@ def _launch(
         workspace = out
     sum_out = summed if summed is not None else x
     w_desc = _weight_descriptor(w, block_n, block_k) if config.tma else w
+    if fp8 is not None:
+        w_scale, stride_wsn = fp8.w_scale, fp8.w_scale.stride(0) if fp8.w_scale.dim() == 2 else 0
+        x_scale = fp8.x_scale if fp8.x_scale is not None else fp8.w_scale
+        scale_block = fp8.block or (1, 1)
+        if fp8.kind == "block" and scale_block[1] % block_k:
+            # Every K-tile starts at a multiple of block_k, so it then lies in one scale block.
+            raise SkinnyGemmError(
+                f"block scales of {scale_block[1]} columns need a block_k that divides them "
+                f"(got {block_k})"
+            )
+    else:
+        w_scale = x_scale = out
+        stride_wsn, scale_block = 0, (1, 1)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _skinny_gemm_kernel[grid](
             x,
@@ -540,6 +631,9 @@ def _launch(
             sum_out.stride(0),
             eps,
             w_desc,
+            w_scale,
+            x_scale,
+            stride_wsn,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -547,10 +641,15 @@ def _launch(
             EVEN_K=even_k,
             RAGGED=programs_per_sm > 0,
             PDL=pdl,
-            PREFETCH=prefetch_tiles(kernel_config, x, block_k, even_k) if pdl else 0,
+            PREFETCH=prefetch_tiles(kernel_config, w, block_k, even_k) if pdl else 0,
             NORM=0 if norm is None else (2 if split_k == 1 else 1),
             GATED=gated,
             TMA=config.tma,
+            W_SCALE=fp8.w_mode if fp8 is not None else 0,
+            X_SCALE=fp8.x_mode if fp8 is not None else 0,
+            SBN=scale_block[0],
+            SBK=scale_block[1],
+            LINE=128 // w.element_size(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl_launch(pdl),

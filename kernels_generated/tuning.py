@@ -43,6 +43,7 @@ from compile_engine.kernels_generated.configs import CONFIG_DIR, ConfigTable
 # The kernels whose launch configs come from a tuned table, configs/<name>.json by default.
 TABLES = (
     "add_rms_norm",
+    "fp8_gemm",
     "moe_grouped_gemm",
     "rotary",
     "silu_and_mul",

@@ -39,6 +39,11 @@ PIPELINE: tuple[tuple[str, str], ...] = (
     ("silu_and_mul_triton", "the silu_and_mul nodes that no earlier pass claimed"),
     ("skinny_gemm", "the bias-free linears that add_rms_norm_into_gemm left"),
     (
+        "quantized_gemm",
+        "matches quant_linear, which no other pass matches; before lower_to_reference, "
+        "which leaves quant_linear opaque",
+    ),
+    (
         "lower_to_reference",
         "last: what no kernel pass claimed reaches Inductor as its reference to fuse, not as "
         "an opaque call",

@@ -7,12 +7,12 @@ projections hold several blocks); no Inductor compile here (tests/passes/ has th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_models import BLOCK, make_tiny_llama, scheme_of, write_fp8
 from safetensors.torch import load_file, save_file
 
 from compile_engine.models.loader import load_model
@@ -32,7 +32,6 @@ from compile_engine.models.quant import (
 
 from paged_harness import PagedHarness, run_schedule
 
-BLOCK = (16, 16)
 SEQUENCES = [[5, 17, 3, 44, 9, 61, 2, 8, 30, 11, 7], [12, 40, 6, 33, 90, 4]]
 
 
@@ -47,58 +46,7 @@ def logits_of(model) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """The tiny Llama at HF's own init scale (0.02): tiny_models' 0.15, chosen to make wrong
-    attention obvious, leaves 64-wide dot products so few and large that FP8's 3 mantissa bits
-    move the logits' direction by ~1% (cosine 0.990-0.995 over these layouts); at 0.02, with
-    the same weights' rounding, 0.9994-0.9996 and every argmax equal."""
-    import transformers
-
-    directory = tmp_path_factory.mktemp("llama-fp32")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.02,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
-def write_fp8(source: Path, out: Path, layout: str) -> tuple[Path, Path]:
-    """The FP8 checkpoint of `source` in `layout`, and its dequantized float32 twin."""
-    tensors = load_file(str(source / "model.safetensors"))
-    quantized, twin = {}, {}
-    for name, tensor in tensors.items():
-        parts = quantize_checkpoint_tensor(name, tensor, layout, BLOCK)
-        quantized.update(parts)
-        if len(parts) == 1:
-            twin[name] = tensor
-            continue
-        scale = next(v for k, v in parts.items() if "weight_scale" in k)
-        scheme = QuantScheme.parse(_scheme_of(layout))
-        kind = "channel" if scheme.weight_scale == "channel" else None
-        scheme_text = str(QuantScheme(kind, "none")) if kind else str(scheme)
-        twin[name] = dequantize_fp8_ref(parts[name], scale, scheme_text, torch.float32)
-    config = json.loads((source / "config.json").read_text())
-    for directory, weights, quant in ((out / "fp8", quantized, True), (out / "twin", twin, False)):
-        directory.mkdir(parents=True)
-        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        written = dict(config)
-        if quant:
-            written["quantization_config"] = checkpoint_quantization_config(layout, BLOCK)
-        (directory / "config.json").write_text(json.dumps(written))
-    return out / "fp8", out / "twin"
-
-
-def _scheme_of(layout: str) -> str:
-    return str(quant_config({"quantization_config": checkpoint_quantization_config(layout, BLOCK)},
-                            None).scheme)  # fmt: skip
+    return make_tiny_llama(tmp_path_factory.mktemp("llama-fp32"))
 
 
 # --------------------------------------------------------------------------- ops
@@ -168,7 +116,7 @@ def test_fp8_checkpoint_layout_matches_its_dequantized_twin(layout, tiny, tmp_pa
     loaded = load_model(fp8_dir)
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == 4 * 2  # qkv, o_proj, gate_up, down of 2 layers
-    assert loaded.quant.scheme == QuantScheme.parse(_scheme_of(layout))
+    assert loaded.quant.scheme == scheme_of(layout)
     assert loaded.model.lm_head.weight.dtype == torch.float32  # lm_head stays unquantized
     got = logits_of(loaded.model)
     want = logits_of(load_model(twin_dir).model)
