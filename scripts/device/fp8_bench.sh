@@ -20,13 +20,13 @@ at() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
   --device cuda 2>&1 | tail -1) &
 L3="--target h100 --dtype bfloat16 --results-dir $OUT/r --batch-sizes 1,64,256"
 if [ "$2" = check ]; then
-  timeout 150 python3 -m pytest tests/kernels/test_fp8_linear.py -m gpu -q -x -p no:cacheprovider \
+  timeout 120 python3 -m pytest tests/kernels/test_fp8_linear.py -m gpu -q -x -p no:cacheprovider \
     2>&1 | tee $OUT/tests-kernels.log | tail -15
   at "kernel tests"
-  timeout 120 python3 -m pytest tests/passes/test_quantized_gemm_pass.py -m gpu -q -x \
+  timeout 100 python3 -m pytest tests/passes/test_quantized_gemm_pass.py -m gpu -q -x \
     -p no:cacheprovider -k "ct-channel or online" 2>&1 | tee $OUT/tests-pass.log | tail -15
   at "pass tests"
-  timeout 130 python3 -m compile_engine.benchmarks fp8-gemm --budget-s 90 --results-dir $OUT/r \
+  timeout 120 python3 -m compile_engine.benchmarks fp8-gemm --budget-s 75 --results-dir $OUT/r \
     --write-configs kernels_generated/configs/fp8_gemm.json 2>&1 | tee $OUT/sweep.log | tail -40
   cp kernels_generated/configs/fp8_gemm.json $OUT/
   at "sweep"
