@@ -1,7 +1,8 @@
 """Lower every `ce` op that no other pass claimed to its plain-PyTorch reference.
 
-Matches: rms_norm, add_rms_norm, rotary, silu_and_mul (never paged_attention, which is the
-split point of the piecewise graph). Emits: a call of the reference function, which AOTAutograd
+Matches: rms_norm, add_rms_norm, rotary, silu_and_mul, quantize_fp8 (an FP8 activation's
+quantization, which quantized_gemm adds; never paged_attention, which is the split point of
+the piecewise graph). Emits: a call of the reference function, which AOTAutograd
 traces into aten ops that Inductor fuses with their neighbours (the norm's multiply into the
 residual add, the rotary into the QKV split, silu and mul into one loop). Without this pass
 Inductor would call each op as an opaque Python kernel. It runs last, after kernel passes.
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 from torch import fx
 
-from compile_engine.models import ops
+from compile_engine.models import vocabulary
 from compile_engine.passes.base import GraphPass, PassContext, op_nodes
 from compile_engine.passes.registry import register
 
-LOWERED = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
+LOWERED = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "quantize_fp8")
 
 
 @register
@@ -26,7 +27,7 @@ class LowerToReference(GraphPass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         count = 0
         for op_name in LOWERED:
-            reference = ops.OPS[op_name][1]
+            reference = vocabulary.OPS[op_name][1]
             for node in op_nodes(graph, op_name):
                 node.target = reference
                 count += 1

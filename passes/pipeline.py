@@ -29,6 +29,13 @@ PIPELINE: tuple[tuple[str, str], ...] = (
         "moe_grouped_gemm",
         "the MoE chain, so before the silu_and_mul passes, which would take its silu_and_mul",
     ),
+    (
+        "quantized_gemm",
+        "quant_linear, which no other pass matches; before the silu_and_mul passes, since it "
+        "lowers a silu_and_mul feeding an FP8 linear to its reference (Inductor fuses the "
+        "activation's quantization into it), and before lower_to_reference, which lowers the "
+        "quantize_fp8 nodes it adds",
+    ),
     ("paged_attention_triton", "the attention nodes that rotary_into_attention left"),
     ("rms_norm_triton", "the norms that add_rms_norm_into_gemm left"),
     ("rotary_triton", "the rotary nodes that rotary_into_attention left"),
@@ -38,11 +45,6 @@ PIPELINE: tuple[tuple[str, str], ...] = (
     ),
     ("silu_and_mul_triton", "the silu_and_mul nodes that no earlier pass claimed"),
     ("skinny_gemm", "the bias-free linears that add_rms_norm_into_gemm left"),
-    (
-        "quantized_gemm",
-        "matches quant_linear, which no other pass matches; before lower_to_reference, "
-        "which leaves quant_linear opaque",
-    ),
     (
         "lower_to_reference",
         "last: what no kernel pass claimed reaches Inductor as its reference to fuse, not as "

@@ -1,31 +1,41 @@
-"""quant_linear (FP8 weights) -> the FP8 GEMMs on h100; -> its reference on cpu.
+"""quant_linear (FP8 weights) -> the activation's quantization + the FP8 GEMMs on h100; -> its
+reference on cpu.
 
 Matches: every `ce.quant_linear` node (a QuantLinear of an FP8 checkpoint or of
 `quantization="fp8"`, models/quant.py: qkv_proj, o_proj, gate_up_proj and down_proj of each
-layer of a Llama-family model). Emits, on h100 in bf16/fp16: `ce_kernels.fp8_linear(x, weight,
-weight_scale, input_scale, bias, scheme)` (kernels_generated/fp8_linear.py), which per call
-runs, up to 16 rows, the skinny Triton GEMM over e4m3 weight tiles with the activation in the
-model dtype (the step is weight-bound: FP8 halves its bytes) and the scale in the epilogue
-(per K-tile for block scales), with the launch config tuned per (N, K, rows) in
-configs/fp8_gemm.json; above 16 rows it quantizes the activation as the scheme says (one Triton
-launch per token row, or the static scale) and multiplies with `torch._scaled_mm` (tensor-wise
-or row-wise scales), or, for block scales and W8A16, the same Triton kernel with tensor-core
-tiles. On cpu: the reference (`quant_linear_ref`: dequantize, matmul in float32), which
-Inductor traces and fuses like any other, so a CPU build runs FP8 checkpoints exactly as the
-oracle does.
+layer of a Llama-family model). Emits, on h100 in bf16/fp16:
 
-Not done here (issue 28's later parts): the per-token quantization fused into the preceding
-add+rms_norm / silu_and_mul kernels (above 16 rows it is one launch of its own per linear);
-FP8 experts in the MoE grouped GEMM (quantize_model refuses MoE models).
+- where the scheme quantizes the activation (dynamic per token, static per tensor): a
+  `ce.quantize_fp8(x, input_scale)` node, which lower_to_reference turns into its reference
+  for Inductor, so the row's amax and the e4m3 cast fuse into the kernel that makes x (the
+  add + rms_norm before qkv_proj and gate_up_proj; silu_and_mul before down_proj, which this
+  pass lowers to its reference for that, so it must run before the silu_and_mul passes; a
+  kernel of its own only after attention, before o_proj);
+- `ce_kernels.fp8_linear(x_q, x_scale, weight, weight_scale, bias, scheme, dtype)`
+  (kernels_generated/fp8_linear.py): per call, up to 16 rows the skinny Triton GEMM on FP8
+  tensor cores streaming the e4m3 weight, the scales in its epilogue, its launch config tuned
+  per (N, K, rows) in configs/fp8_gemm.json; above 16 rows `torch._scaled_mm` (tensor-wise or
+  row-wise scales), or for block scales and W8A16 the same Triton kernel on tensor-core tiles.
+
+On cpu: the reference (`quant_linear_ref`: dequantize, matmul in float32), which Inductor
+traces and fuses like any other, so a CPU build runs FP8 checkpoints exactly as the oracle does.
+
+Not done (issue 28's later parts): the activation's quantization fused into our own Triton
+kernels (the add_rms_norm_into_gemm fusion of the bf16 path has no FP8 form yet, so an FP8
+layer runs 9 kernels at batch 1 where bf16 runs 5); FP8 experts in the MoE grouped GEMM
+(quantize_model refuses MoE models).
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
-from compile_engine.models.quant import quant_linear_ref
-from compile_engine.passes.base import GraphPass, PassContext, lower, op_nodes
+from compile_engine.models.ops import silu_and_mul_ref
+from compile_engine.models.quant import QuantScheme, quant_linear_ref
+from compile_engine.passes.base import GraphPass, PassContext, op_nodes
 from compile_engine.passes.registry import register
 
 H100_DTYPES = (torch.bfloat16, torch.float16)
@@ -35,7 +45,7 @@ H100_DTYPES = (torch.bfloat16, torch.float16)
 class QuantizedGemm(GraphPass):
     name = "quantized_gemm"
     description = (
-        "quant_linear -> FP8 skinny GEMM (<= 16 rows) / _scaled_mm (h100), reference (cpu)"
+        "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm (h100); ref (cpu)"
     )
     targets = ("cpu", "h100")
     kernel_files = (
@@ -57,6 +67,24 @@ class QuantizedGemm(GraphPass):
         import compile_engine.kernels_generated.fp8_linear  # noqa: F401  (registers the op)
 
         kernel = torch.ops.ce_kernels.fp8_linear.default
+        quantize = torch.ops.ce.quantize_fp8.default
+        silu = torch.ops.ce.silu_and_mul.default
         for node in nodes:
-            lower(node, kernel, ctx)
+            x, weight, weight_scale, input_scale, bias, scheme = node.args
+            activation = QuantScheme.parse(scheme).activation
+            with graph.inserting_before(node):
+                if activation == "none":
+                    x_q, x_scale = x, None
+                else:
+                    if isinstance(x, fx.Node) and x.target is silu and len(x.users) == 1:
+                        x.target = silu_and_mul_ref  # Inductor fuses the quantization into it
+                    static = input_scale if activation == "tensor" else None
+                    quantized = graph.call_function(quantize, (x, static))
+                    x_q = graph.call_function(operator.getitem, (quantized, 0))
+                    x_scale = graph.call_function(operator.getitem, (quantized, 1))
+                args = (x_q, x_scale, weight, weight_scale, bias, scheme, ctx.dtype, ctx.kernel.key)
+                fp8 = graph.call_function(kernel, args)
+            fp8.meta.update(node.meta)
+            node.replace_all_uses_with(fp8)
+            graph.erase_node(node)
         return len(nodes)

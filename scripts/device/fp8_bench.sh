@@ -5,8 +5,9 @@
 #     `bash .devrun/fp8/scripts/device/fp8_bench.sh <commit> <phase>`
 # phase "check": the FP8 kernels' and the pass's GPU tests, `bench fp8-gemm` sweeping the skinny
 # configs and writing the table (it lands in $OUT and is used by the latency run after it), and
-# `bench latency` of online FP8 at batch 1/64/256. phase "ab": `bench latency` in bf16 and in
-# FP8 (online, then the compressed-tensors FP8 checkpoint made by make-model), one call.
+# `bench latency` of online FP8 at batch 1/64/256. Any other phase ("final"): the GPU tests, the
+# sweep again, then `bench latency` in bf16 and in FP8 (online at batch 1/64/256, and the
+# compressed-tensors FP8 checkpoint made by make-model at batch 1), one call.
 ROOT=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   $ROOT/.whl/*.whl 2>/dev/null
@@ -37,16 +38,26 @@ if [ "$2" = check ]; then
 else
   [ -d /tmp/l3ct ] || (python3 -m compile_engine.benchmarks make-model llama3-8b --out /tmp/l3ct \
     --device cuda --quantize ct-channel 2>&1 | tail -1) &
+  timeout 60 python3 -m pytest tests/kernels/test_fp8_linear.py -m gpu -q --maxfail=8 \
+    -p no:cacheprovider 2>&1 | tee $OUT/tests-kernels.log | tail -12
+  at "kernel tests"
+  timeout 80 python3 -m pytest tests/passes/test_quantized_gemm_pass.py -m gpu -q \
+    -p no:cacheprovider -k "ct-channel or online or fp8-block" 2>&1 | tee $OUT/tests-pass.log \
+    | tail -12
+  at "pass tests"
+  timeout 90 python3 -m compile_engine.benchmarks fp8-gemm --budget-s 50 --results-dir $OUT/r \
+    --write-configs kernels_generated/configs/fp8_gemm.json 2>&1 | tee $OUT/sweep.log | tail -24
+  cp kernels_generated/configs/fp8_gemm.json $OUT/
+  at "sweep"
   wait
-  at "models"
   for variant in bf16 fp8 ct; do
     case $variant in
-      bf16) args="--model /tmp/l3 --name latency-bf16" ;;
-      fp8) args="--model /tmp/l3 --quantization fp8 --name latency-fp8" ;;
-      ct) args="--model /tmp/l3ct --name latency-fp8-ct" ;;
+      bf16) args="--model /tmp/l3 --name latency-bf16 $L3" ;;
+      fp8) args="--model /tmp/l3 --quantization fp8 --name latency-fp8 $L3" ;;
+      ct) args="--model /tmp/l3ct --name latency-fp8-ct ${L3/1,64,256/1}" ;;
     esac
-    timeout 170 python3 -m compile_engine.benchmarks latency $args $L3 2>&1 \
-      | tee $OUT/latency-$variant.log | grep -v Warn | tail -5
+    timeout $([ $variant = ct ] && echo 80 || echo 140) python3 -m compile_engine.benchmarks \
+      latency $args 2>&1 | tee $OUT/latency-$variant.log | grep -v Warn | tail -5
     at "latency $variant"
   done
 fi

@@ -1,7 +1,9 @@
 """The FP8 linear (kernels_generated/fp8_linear.py): on CUDA every path against its reference
-(`fp8_linear_ref`), each scheme at the skinny rows and above; on CPU what can be checked
-without casting FP8 (the Triton interpreter cannot): the refusal, the block-tile fitting, the
-table. The CUDA cases carry the gpu marker and skip without a device."""
+(`fp8_linear_ref`), each scheme at the skinny rows and above, the activation quantized as the
+graph quantizes it (`quantize_fp8_ref`); on CPU what can be checked without casting FP8 (the
+Triton interpreter cannot): the refusal, the block-tile fitting, the table, the composition
+with the quantization being quant_linear's reference. The CUDA cases carry the gpu marker and
+skip without a device."""
 
 from __future__ import annotations
 
@@ -10,7 +12,12 @@ import torch
 
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.skinny_gemm import LaunchConfig, SkinnyGemmError
-from compile_engine.models.quant import QuantScheme, quantize_checkpoint_tensor, quantize_fp8_ref
+from compile_engine.models.quant import (
+    QuantScheme,
+    quant_linear_ref,
+    quantize_checkpoint_tensor,
+    quantize_fp8_ref,
+)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 N, K = 384, 512  # three 128-row blocks, four 128-column blocks
@@ -31,8 +38,26 @@ def test_cpu_tensors_are_refused():
     from compile_engine.kernels_generated.fp8_linear import fp8_linear
 
     q, scale = weight("channel", "cpu")
+    x_q, x_s = quantize_fp8_ref(torch.randn(2, K))
     with pytest.raises(SkinnyGemmError, match="CUDA only"):
-        fp8_linear(torch.randn(2, K), q, scale, None, None, "fp8_e4m3:channel:token", "k")
+        fp8_linear(x_q, x_s, q, scale, None, "fp8_e4m3:channel:token", torch.float32, "k")
+
+
+@pytest.mark.parametrize(("kind", "activation"), [("channel", "token"), ("tensor", "tensor"),
+                                                  ("block", "none")])  # fmt: skip
+def test_quantize_then_fp8_linear_is_quant_linear(kind, activation):
+    from compile_engine.kernels_generated.fp8_linear import fp8_linear_ref
+
+    q, scale = weight(kind, "cpu")
+    scheme = str(QuantScheme(kind, activation, (128, 128) if kind == "block" else None))
+    x = torch.randn(5, K)
+    static = torch.tensor(8 / 448) if activation == "tensor" else None
+    if activation == "none":
+        x_q, x_s = x, None
+    else:
+        x_q, x_s = quantize_fp8_ref(x, static)
+    got = fp8_linear_ref(x_q, x_s, q, scale, None, scheme, torch.float32)
+    assert torch.equal(got, quant_linear_ref(x, q, scale, static, None, scheme))
 
 
 def test_block_configs_fit_their_scale_blocks():
@@ -69,10 +94,15 @@ def test_fp8_linear_matches_its_reference(kind, activation, rows):
     q, scale = weight(kind, "cuda")
     scheme = str(QuantScheme(kind, activation, (128, 128) if kind == "block" else None))
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    input_scale = torch.tensor(8 / 448, device="cuda") if activation == "tensor" else None
+    if activation == "none":
+        x_q, x_s = x, None
+    else:
+        static = torch.tensor(8 / 448, device="cuda") if activation == "tensor" else None
+        x_q, x_s = quantize_fp8_ref(x, static)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    got = run_fp8_linear(tuning.default(), x, q, scale, input_scale, bias, scheme)
-    want = fp8_linear_ref(x, q, scale, input_scale, bias, scheme)
+    bf16 = torch.bfloat16
+    got = run_fp8_linear(tuning.default(), x_q, x_s, q, scale, bias, scheme, bf16)
+    want = fp8_linear_ref(x_q, x_s, q, scale, bias, scheme, bf16)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert err < 1e-2, f"{scheme} at {rows} rows: relative error {err:.2e}"
@@ -89,37 +119,23 @@ def test_fp8_linear_matches_its_reference(kind, activation, rows):
         dict(mode="dot", block_m=16, block_n=64, block_k=128, split_k=4),
     ],
 )
-@pytest.mark.parametrize("kind", ["channel", "block"])
-def test_skinny_launch_configs(config, kind):
+@pytest.mark.parametrize(("kind", "activation"), [("channel", "token"), ("block", "none"),
+                                                  ("block", "token")])  # fmt: skip
+def test_skinny_launch_configs(config, kind, activation):
     # The tuned table's kinds of entry: split-K partials scaled before their sum, TMA tiles,
-    # the fma path, per-K-tile block scales under a split.
+    # the fma path, per-K-tile block scales under a split; FP8 and bf16 activations.
     from compile_engine.kernels_generated.fp8_linear import _fit_block, fp8_linear_ref
     from compile_engine.kernels_generated.skinny_gemm import Fp8Operands, _launch
 
     q, scale = weight(kind, "cuda", 256, 1024)
-    scheme = QuantScheme(kind, "none", (128, 128) if kind == "block" else None)
+    scheme = QuantScheme(kind, activation, (128, 128) if kind == "block" else None)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    x_q, x_s = (x, None) if activation == "none" else quantize_fp8_ref(x)
     launch = _fit_block(LaunchConfig(**config), scheme)
-    operands = Fp8Operands(scale, kind, torch.bfloat16, None, scheme.block)
-    got = _launch(x, q, None, launch, tuning.default(), fp8=operands)[0]
-    want = fp8_linear_ref(x, q, scale, None, None, str(scheme))
+    flat_scale = x_s.reshape(-1) if x_s is not None else None
+    operands = Fp8Operands(scale, kind, torch.bfloat16, flat_scale, scheme.block)
+    got = _launch(x_q, q, None, launch, tuning.default(), fp8=operands)[0]
+    want = fp8_linear_ref(x_q, x_s, q, scale, None, str(scheme), torch.bfloat16)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
-    again = _launch(x, q, None, launch, tuning.default(), fp8=operands)[0]  # counters reset
+    again = _launch(x_q, q, None, launch, tuning.default(), fp8=operands)[0]  # counters reset
     assert torch.equal(again, got)
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("k_size", [64, 4096, 14336])
-def test_quantize_rows_matches_the_reference(k_size):
-    from compile_engine.kernels_generated.fp8_linear import quantize_rows
-
-    x = torch.randn(7, k_size, device="cuda", dtype=torch.bfloat16) * 3
-    x[2] = 0  # a zero row: zeros, not NaN
-    q, scale = quantize_rows(x)
-    q_ref, s_ref = quantize_fp8_ref(x)
-    torch.testing.assert_close(scale, s_ref.reshape(-1))
-    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() * 2**-3).all()
-    static = torch.tensor(0.01, device="cuda")
-    q, s = quantize_rows(x, static)
-    assert s.item() == pytest.approx(0.01) and q.float().abs().max().item() == 448.0

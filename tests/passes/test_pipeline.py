@@ -20,6 +20,8 @@ BEFORE = (
     ("moe_grouped_gemm", "silu_and_mul_triton", "it fuses the MoE chain's activation"),
     ("moe_grouped_gemm", "silu_and_mul_helion", "it fuses the MoE chain's activation"),
     ("silu_and_mul_helion", "silu_and_mul_triton", "with both selected, Helion wins"),
+    ("quantized_gemm", "silu_and_mul_triton", "it lowers an FP8 linear's silu_and_mul"),
+    ("quantized_gemm", "silu_and_mul_helion", "it lowers an FP8 linear's silu_and_mul"),
 )
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from fp8_models import make_tiny_llama, write_fp8
 
+from compile_engine.models.ops import silu_and_mul_ref
 from compile_engine.models.quant import quant_linear_ref
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
@@ -35,9 +36,22 @@ def test_every_quant_linear_on_h100(graph, dtype):
 
     ctx = PassContext("h100", dtype)
     assert count_matches("quantized_gemm", graph, ctx) == LINEARS * LAYERS
-    targets = targets_of(apply_pass("quantized_gemm", graph, ctx))
+    gm = apply_pass("quantized_gemm", graph, ctx)
+    targets = targets_of(gm)
     assert torch.ops.ce.quant_linear.default not in targets
-    assert targets.count(torch.ops.ce_kernels.fp8_linear.default) == LINEARS * LAYERS
+    kernel = torch.ops.ce_kernels.fp8_linear.default
+    assert targets.count(kernel) == LINEARS * LAYERS
+    # ct-channel quantizes the activation per token: a quantize node before every GEMM, whose
+    # output it takes with the model dtype and the kernel config's key; down_proj's silu_and_mul
+    # lowered to its reference, so that Inductor fuses the quantization into it.
+    assert targets.count(torch.ops.ce.quantize_fp8.default) == LINEARS * LAYERS
+    assert targets.count(silu_and_mul_ref) == LAYERS
+    assert torch.ops.ce.silu_and_mul.default not in targets
+    calls = [n for n in gm.graph.nodes if n.target is kernel]
+    assert all(n.args[6] == dtype and n.args[7] == ctx.kernel.key for n in calls)
+    # After lower_to_reference no ce op but attention is left for Inductor.
+    lowered = apply_pass("lower_to_reference", gm, ctx)
+    assert torch.ops.ce.quantize_fp8.default not in targets_of(lowered)
     # Nothing else claims them: the bf16 GEMM passes see no F.linear in the decoder.
     assert count_matches("skinny_gemm", graph, ctx) == 0
 
