@@ -122,17 +122,19 @@ def run_cell(name: str, rows: int, weights, bf16_weights, deadline: float) -> di
     fp8_bytes = n_size * k_size + 2 * rows * (k_size + n_size)
     cell: dict = {"shape": name, "N": n_size, "K": k_size, "M": rows, "variants": {}}
     v = cell["variants"]
-    v["bf16_cublas"] = {"us": graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in bf16])}
+    v["bf16_cublas"] = {"us": graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in bf16_weights])}
     v["bf16_engine"] = {
-        "us": graph_time_us([lambda w=w: tuned_linear(kernel_config, x, w) for w in bf16])
+        "us": graph_time_us([lambda w=w: tuned_linear(kernel_config, x, w) for w in bf16_weights])
     }
     if rows > 16:
         v["fp8_linear"] = {
             "us": graph_time_us(
                 [
-                    lambda q=q, s=s: run_fp8_linear(kernel_config, x, q, s, None, None, scheme)
+                    lambda q=q, s=s: run_fp8_linear(
+                        kernel_config, x_q, x_s, q, s, None, scheme, bf16
+                    )
                     for q, s in weights
-                ]  # fmt: skip
+                ]
             )
         }
         return cell
@@ -212,6 +214,8 @@ def write_configs(cells: list[dict], path: str) -> None:
     )
 
     table = ConfigTable.load(path)
+    if not any("best" in cell for cell in cells):
+        raise SystemExit(f"no cell of the sweep timed a config; {path} left as it was")
     info = tuning_provenance("float8_e4m3fn weights and activations, bfloat16 output")
     entries = []
     for cell in cells:
