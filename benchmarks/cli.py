@@ -71,6 +71,10 @@ COMMANDS = {
         "compile_engine.benchmarks.fp8_gemm",
         "the FP8 skinny GEMM's config sweep, and _scaled_mm above 16 rows",
     ),
+    "quant-accuracy": (
+        "compile_engine.benchmarks.quant_accuracy",
+        "a quantized model's perplexity and top-1 agreement vs its dtype",
+    ),
     "gemm-norm": (
         "compile_engine.benchmarks.gemm_norm",
         "the fused add_rms_norm + skinny GEMM vs unfused",
