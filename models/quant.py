@@ -275,7 +275,10 @@ class QuantLinear(nn.Module):
         if self.shards and start != out_features:
             raise ValueError(f"shards {self.shards} do not sum to {out_features}")
         if online and (scheme.weight_scale != "channel" or scheme.activation == "tensor"):
-            raise QuantizationError("online quantization makes per-channel scales, dynamic act.")
+            raise QuantizationError(
+                f"online quantization makes per-channel weight scales and dynamic activations, "
+                f"not {scheme}"
+            )
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )

@@ -191,3 +191,15 @@ def test_moe_is_refused(tmp_path):
     make_tiny_moe("mixtral", tmp_path)
     with pytest.raises(QuantizationError, match="MixtralForCausalLM is not supported"):
         load_model(tmp_path, quantization="fp8")
+
+
+def test_make_model_writes_an_fp8_checkpoint_that_loads(tmp_path):
+    from compile_engine.benchmarks.make_model import make_model
+
+    out = make_model("tiny-llama", tmp_path / "fp8", quantize="ct-channel")
+    loaded = load_model(out)
+    assert loaded.quant.method == "compressed-tensors"
+    assert str(loaded.quant.scheme) == "fp8_e4m3:channel:token"
+    down = loaded.model.model.layers[1].mlp.down_proj
+    assert down.weight.dtype == FP8_DTYPE and down.scale.shape == (down.out_features,)
+    assert torch.isfinite(logits_of(loaded.model)).all()
