@@ -41,6 +41,7 @@ from compile_engine.models.layers import (
     FusedLinear,
     GatedMLP,
     Linear,
+    LMHead,
     RMSNorm,
     RotaryEmbedding,
 )
@@ -273,7 +274,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = LMHead(config.hidden_size, config.vocab_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's paged latent cache: [kv_a_layernorm(c_kv) | rotated k_pe] per token

@@ -29,11 +29,30 @@ class AttentionMetadata:
     query_start_loc: Tensor
 
 
-def _copy_checked(dst: Tensor, src: Tensor, name: str) -> None:
+class LazyTensor:
+    """A checkpoint tensor not read yet: its shape, and the part of it a tensor-parallel rank
+    asks for (`lazy[rows, cols]` reads only that slice of the file). The loader yields these
+    instead of tensors when the model is sharded (models/parallel.py), so that each rank reads
+    its own slices; a module that needs the whole tensor reads it whole."""
+
+    def __init__(self, source, shape: tuple[int, ...]) -> None:
+        self._source = source  # safetensors' PySafeSlice: indexing reads
+        self.shape = torch.Size(shape)
+
+    def __getitem__(self, index) -> Tensor:
+        return self._source[index]
+
+    def read(self) -> Tensor:
+        return self._source[tuple(slice(None) for _ in self.shape)]
+
+
+def _copy_checked(dst: Tensor, src: Tensor | LazyTensor, name: str) -> None:
     if dst.shape != src.shape:
         raise CheckpointError(
             f"tensor {name} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}"
         )
+    if isinstance(src, LazyTensor):
+        src = src.read()
     with torch.no_grad():
         dst.copy_(src)
 
@@ -51,6 +70,17 @@ class Linear(nn.Module):
 
     def load_shard(self, param: Tensor, tensor: Tensor, shard: str | None, name: str) -> None:
         _copy_checked(param, tensor, name)
+
+
+class LMHead(Linear):
+    """The output projection: hidden [S, H] -> logits [S, V]. Its own class so that the
+    vocabulary-parallel head (models/parallel.py) can take its place and gather the logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return hidden @ self.weight.t()
 
 
 class FusedLinear(Linear):
@@ -176,6 +206,10 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return F.embedding(input_ids, self.weight)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The tied output projection: hidden [S, H] -> logits [S, V]."""
+        return hidden @ self.weight.t()
 
     def load_shard(self, param: Tensor, tensor: Tensor, shard: str | None, name: str) -> None:
         _copy_checked(param, tensor, name)

@@ -24,7 +24,7 @@ from compile_engine.models.layers import (
     AttentionMetadata,
     Embedding,
     GatedMLP,
-    Linear,
+    LMHead,
     RMSNorm,
     RotaryEmbedding,
 )
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = LMHead(config.hidden_size, config.vocab_size)
 
     def forward(
         self,
@@ -119,13 +119,15 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's paged KV cache: K and V per token slot; block 0 is the runtime's
         scratch (padding tokens write there). MLA models cache a latent instead."""
-        cfg = self.config
-        return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # The heads of the attention modules, not the config's: a tensor-parallel rank holds
+        # only its own KV heads (models/parallel.py), and so does its cache.
+        attn = self.model.layers[0].self_attn
+        return (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S, H] of the rows that sample -> logits [S, V]."""
         lm_head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return hidden @ lm_head.weight.t()
+        return lm_head.logits(hidden)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -29,8 +29,9 @@ from torch import nn
 from compile_engine.models.config import ModelConfig, resolve_dtype
 from compile_engine.models.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from compile_engine.models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
-from compile_engine.models.layers import FusedLinear
+from compile_engine.models.layers import FusedLinear, LazyTensor
 from compile_engine.models.moe import StackedExperts
+from compile_engine.models.parallel import TensorParallel, is_sharded, shard_model
 from compile_engine.models.quant import QuantConfig, QuantLinear, quant_config, quantize_model
 from compile_engine.models.registry import model_class
 
@@ -112,7 +113,11 @@ def _safetensors_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory} has no *.safetensors weights")
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(
+    files: list[Path], lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """(name, tensor) of every checkpoint tensor; with `lazy`, a LazyTensor instead, which
+    reads only the slice a tensor-parallel rank's parameter asks for."""
     from safetensors import safe_open
 
     # Host tensors backed by the file's mapping; the parameter copy moves them to the device.
@@ -122,7 +127,11 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if lazy:
+                    part = f.get_slice(name)
+                    yield name, LazyTensor(part, tuple(part.get_shape()))
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -231,6 +240,8 @@ def export_hf_checkpoint(model: nn.Module, hf_config, directory: Path) -> Path:
             "a quantized model is not exported (its FP8 weights would need a quantization_config"
             "); build the artifact without --quantization, or from an FP8 HF checkpoint"
         )
+    if is_sharded(model):
+        raise CheckpointError("a tensor-parallel shard cannot be exported as a whole checkpoint")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -264,20 +275,27 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int | None = None,
+    parallel: TensorParallel | None = None,
 ) -> nn.Module:
     """Construct on the meta device, then give real (uninitialised) storage on `device`."""
-    model = build_on_meta(config, dtype, max_positions)
+    model = build_on_meta(config, dtype, max_positions, parallel)
     materialize(model, device)
     return model
 
 
 def build_on_meta(
-    config: ModelConfig, dtype: torch.dtype, max_positions: int | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_positions: int | None = None,
+    parallel: TensorParallel | None = None,
 ) -> nn.Module:
-    """The model with every parameter and buffer on the meta device: shapes, no storage."""
+    """The model with every parameter and buffer on the meta device: shapes, no storage;
+    with `parallel`, this rank's shard of it (models/parallel.py)."""
     cls = model_class([config.architecture])
     with torch.device("meta"):
         model = cls(config, max_positions)
+        if parallel is not None:
+            shard_model(model, parallel)
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
@@ -313,9 +331,17 @@ def load_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     quantization: str | None = None,
+    config: ModelConfig | None = None,
+    parallel: TensorParallel | None = None,
 ) -> LoadedModel:
     loaded, tensors = open_model(
-        model, dtype=dtype, device=device, max_model_len=max_model_len, quantization=quantization
+        model,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        quantization=quantization,
+        config=config,
+        parallel=parallel,
     )
     load_weights(loaded.model, tensors)
     return loaded
@@ -330,6 +356,7 @@ def open_model(
     config: ModelConfig | None = None,
     storage: bool = True,
     quantization: str | None = None,
+    parallel: TensorParallel | None = None,
 ) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
     """The model built with uninitialised storage (on the meta device with `storage=False`:
     `WeightRead` gives it storage), and the checkpoint's (name, tensor) pairs that
@@ -337,7 +364,8 @@ def open_model(
     compiles. A given `config` (an artifact's, resolved at build) is used instead of asking
     transformers for one; `hf_config` is then None. quantization: None, or "fp8" (online FP8 of
     a model-dtype checkpoint); an FP8 checkpoint's own quantization_config applies either way
-    (models/quant.py)."""
+    (models/quant.py). With `parallel`, the model is this rank's shard and a safetensors
+    checkpoint is read slice by slice (GGUF: dequantized whole, then sliced)."""
     source = resolve_source(model)
     device = torch.device(device)
     hf_config = None
@@ -356,14 +384,19 @@ def open_model(
             hf_config = read_hf_config(source.path)
             config = model_class(hf_config.architectures).config_from_hf(hf_config)
         torch_dtype = resolve_dtype(dtype, config)
-        tensors = _iter_safetensors(_safetensors_files(source.path))
+        tensors = _iter_safetensors(_safetensors_files(source.path), lazy=parallel is not None)
     max_positions = max(max_model_len or 0, config.max_position_embeddings)
-    net = build_on_meta(config, torch_dtype, max_positions)
+    net = build_on_meta(config, torch_dtype, max_positions, parallel)
     quant = None
     if source.kind == "hf":
         quant = quant_config(json.loads((source.path / "config.json").read_text()), quantization)
     elif quantization is not None:
         quant = quant_config({}, quantization)
+    if quant is not None and parallel is not None and parallel.world_size > 1:
+        raise UnsupportedModelError(
+            "a quantized model does not run tensor-parallel yet (its QuantLinear layers are "
+            "not sharded); use tensor_parallel_size 1, or the checkpoint's bf16 weights"
+        )
     if quant is not None:
         quantize_model(net, quant)  # after the dtype cast: FP8 and scales keep theirs
     if storage:
