@@ -95,6 +95,19 @@ def read_hf_config(directory: Path):
     return transformers.AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
 
 
+def resolve_config(model: str | Path) -> ModelConfig:
+    """The ModelConfig of a model without building it: what a tensor-parallel engine hands its
+    workers, so that they need not ask transformers again."""
+    source = resolve_source(model)
+    if source.kind == "gguf":
+        from compile_engine.models.gguf import GGUFCheckpoint
+
+        hf_config = GGUFCheckpoint(source.path).hf_config()
+    else:
+        hf_config = read_hf_config(source.path)
+    return model_class(hf_config.architectures).config_from_hf(hf_config)
+
+
 def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():

@@ -23,7 +23,7 @@ Megatron's split, one all-reduce per block half:
 
 Norms, the router and rotary tables are replicated. The collectives are the functional ops
 of `torch.ops._c10d_functional` (out of place, then `wait_tensor`), so Dynamo puts them in the
-FX graph as nodes that passes see (passes/all_reduce_rms_norm.py fuses the all-reduce with the
+FX graph as nodes that passes see (passes/all_reduce_norm.py fuses the all-reduce with the
 add + rms_norm after it) and Inductor schedules.
 
 Loading: each sharded parameter knows its slice of the checkpoint tensor (`load_shard`), and
@@ -87,13 +87,15 @@ class TensorParallel:
 def all_reduce(x: Tensor, group_name: str) -> Tensor:
     """Sum of `x` over the group, as functional ops the compiler sees."""
     c10d = torch.ops._c10d_functional
-    return c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name))
+    # The overloads, not the packets, so that the graph's nodes name them (what passes match).
+    return c10d.wait_tensor.default(c10d.all_reduce.default(x, "sum", group_name))
 
 
 def all_gather_last(x: Tensor, world_size: int, group_name: str) -> Tensor:
     """[S, n] on each rank -> [S, world_size * n], rank 0's columns first."""
     c10d = torch.ops._c10d_functional
-    stacked = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world_size, group_name))
+    gathered = c10d.all_gather_into_tensor.default(x.contiguous(), world_size, group_name)
+    stacked = c10d.wait_tensor.default(gathered)
     # [W S, n] -> [W, S, n] -> [S, W, n] -> [S, W n]
     return stacked.view(world_size, *x.shape).movedim(0, -2).flatten(-2)
 
@@ -111,7 +113,7 @@ def all_reduce_add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(all_reduce(x) + residual), all_reduce(x) + residual): a row-parallel
     projection's reduction and the next norm as one op, which a kernel may fuse (one pass
-    over the reduced rows). Written by passes/all_reduce_rms_norm.py, not by models."""
+    over the reduced rows). Written by passes/all_reduce_norm.py, not by models."""
     return all_reduce_add_rms_norm_ref(x, residual, weight, eps, group_name)
 
 

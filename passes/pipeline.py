@@ -15,6 +15,11 @@ from __future__ import annotations
 # (pass name, why it sits here), first applied first.
 PIPELINE: tuple[tuple[str, str], ...] = (
     (
+        "all_reduce_norm",
+        "a chain ending in add_rms_norm, so before add_rms_norm_into_gemm and rms_norm_triton, "
+        "which would take the norm",
+    ),
+    (
         "add_rms_norm_into_gemm",
         "a chain of three ops, so before rms_norm_triton, skinny_gemm and the silu_and_mul "
         "passes, which each take one of them",

@@ -26,13 +26,21 @@ from compile_engine.compiler.compiled_model import CompiledForward
 from compile_engine.compiler.config import CompileConfig
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from compile_engine.kernels_generated.tuning import KernelConfig
-from compile_engine.models.config import ModelConfig, config_from_dict
-from compile_engine.models.loader import LoadedModel, WeightRead, open_model
+from compile_engine.models.config import ModelConfig, config_from_dict, config_to_dict
+from compile_engine.models.loader import LoadedModel, WeightRead, open_model, resolve_config
 from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer
 from compile_engine.runtime.activation_profile import activation_bytes
 from compile_engine.runtime.activation_profile import lookup as lookup_activation_bytes
 from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
 from compile_engine.runtime.model_runner import ModelRunner, allocate_kv_caches, default_num_blocks
+from compile_engine.runtime.parallel import (
+    WorkerGroup,
+    WorkerSpec,
+    backend_for,
+    init_groups,
+    run_worker,
+    torchrun_launch,
+)
 from compile_engine.runtime.reasoning_parsers import reasoning_parser
 from compile_engine.runtime.scheduler import InvalidSchedulerConfig, Scheduler, SchedulerConfig
 from compile_engine.runtime.structured_output import GrammarCompiler, StructuredOutputs
@@ -54,6 +62,8 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     compiled: CompiledForward | None
+    # The other tensor-parallel ranks (runtime/parallel.py); None with one rank.
+    workers: WorkerGroup | None
     timings: dict[str, float]
     weights_read_s: float
     activation_profile_cached: bool
@@ -82,6 +92,8 @@ def build_engine(
         # A weight read still running when the error ends the process would abort it from
         # native code (`terminate called without an active exception`): end it first.
         start.abandon_weights()
+        if start.workers is not None:
+            start.workers.shutdown()
         raise
     finally:
         if collecting:
@@ -98,6 +110,7 @@ class _Start:
         self.timings: dict[str, float] = {}
         self.weights: WeightRead | None = None
         self.weights_read_s = 0.0
+        self.workers: WorkerGroup | None = None
 
     def phase(self, name: str, since: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - since
@@ -106,8 +119,18 @@ class _Start:
         config = self.config
         device = config.device
         manifest, model, dtype, cache_dir, passes = self._artifact()
+        model_config = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise EngineConfigError(
+                    "tensor_parallel_size > 1 builds each rank's shard itself; pass the model "
+                    "path, not a loaded model"
+                )
+            mark = time.perf_counter()
+            model_config = self._start_workers(model, dtype, manifest, cache_dir, passes)
+            self.phase("workers_s", mark)
         if loaded is None:
-            loaded = self._open(model, dtype, device, manifest)
+            loaded = self._open(model, dtype, device, manifest, model_config)
         max_model_len = _max_model_len(loaded.config, config.max_model_len)
         mark = time.perf_counter()
         saved = Path(config.model) / SAVED_DIR if manifest is not None else None
@@ -129,14 +152,20 @@ class _Start:
         self.wait_for_weights(storage_only=True)
         reserve, profile_cached = self._activation_reserve(loaded, cache_dir, manifest)
         mark = time.perf_counter()
+        needed_tokens = max_model_len * (config.kv_pool_sequences or config.max_num_seqs)
         num_blocks = config.num_kv_blocks or default_num_blocks(
             loaded,
             config.block_size,
             device,
-            max_model_len * (config.kv_pool_sequences or config.max_num_seqs),
+            needed_tokens,
             reserve,
             config.gpu_memory_utilization,
         )
+        if self.workers is not None:
+            # Every rank's cache has the same blocks (the scheduler's block ids index all).
+            num_blocks = self.workers.sizing(
+                needed_tokens, reserve, config.num_kv_blocks, num_blocks
+            )
         try:
             scheduler = Scheduler(
                 SchedulerConfig(
@@ -160,11 +189,14 @@ class _Start:
             # parameters not yet read could leave NaN in the KV cache's scratch block (which
             # padding reads, masked) or, on CUDA, index out of range.
             compiled.capture(
-                kv_caches, before_first_run=self.wait_for_weights, progress=self.progress
+                kv_caches, before_first_run=self._before_first_run, progress=self.progress
             )
             waited = compiled.backend.stats.before_first_run_seconds
             self.timings["compile_s"] = time.perf_counter() - mark - waited
-            if _graphs_possible(config, compiled):
+            if self.workers is not None and config.device.type == "cuda":
+                # Not done: a replayed graph would skip the step's broadcast to the workers.
+                log.info("no CUDA graphs: tensor parallelism runs the compiled pieces")
+            elif _graphs_possible(config, compiled):
                 self.wait_for_weights()  # another thread's copies would break the capture
                 mark = time.perf_counter()
                 graphs = CUDAGraphRunner.for_compiled(
@@ -183,6 +215,10 @@ class _Start:
                 )
                 graphs.capture(self.progress)
                 self.phase("cuda_graphs_s", mark)
+        forward, compute_logits = compiled, None
+        if self.workers is not None:
+            forward = self.workers.forward(compiled or loaded.model.forward)
+            compute_logits = self.workers.logits(loaded.model.compute_logits)
         runner = ModelRunner(
             loaded,
             kv_caches,
@@ -190,8 +226,9 @@ class _Start:
             num_blocks=num_blocks,
             device=device,
             seed=config.seed,
-            forward=compiled,
+            forward=forward,
             graphs=graphs,
+            compute_logits=compute_logits,
         )
         self.wait_for_weights()
         # Start-up leaves millions of long-lived objects (modules, Dynamo and Inductor state);
@@ -220,6 +257,7 @@ class _Start:
             scheduler=scheduler,
             runner=runner,
             compiled=compiled,
+            workers=self.workers,
             timings=self.timings,
             weights_read_s=self.weights_read_s,
             activation_profile_cached=profile_cached,
@@ -257,6 +295,14 @@ class _Start:
                 f"({built.to_dict()}); drop kernel_config to use the artifact's, or rebuild it "
                 f"with the new one: {manifest.rebuild_hint(artifact)}"
             )
+        built_ranks = manifest.engine_args.get("tensor_parallel_size", 1)
+        if built_ranks != config.tensor_parallel_size:
+            raise EngineConfigError(
+                f"artifact {artifact} was built for tensor_parallel_size={built_ranks}, not "
+                f"{config.tensor_parallel_size}; serve it with --tensor-parallel-size "
+                f"{built_ranks}, or rebuild: {manifest.rebuild_hint(artifact)} "
+                f"--tensor-parallel-size {config.tensor_parallel_size}"
+            )
         config.kernel_config = built
         quantization = manifest.engine_args.get("quantization")
         if config.quantization is not None and config.quantization != quantization:
@@ -276,8 +322,58 @@ class _Start:
         self.phase("artifact_check_s", self.t0)
         return manifest, model, manifest.dtype, artifact / "inductor-cache", passes
 
+    def _start_workers(
+        self,
+        model: str,
+        dtype: str,
+        manifest: Manifest | None,
+        cache_dir: Path | None,
+        passes: str | None,
+    ) -> ModelConfig:
+        """Start the other tensor-parallel ranks (or, launched by torchrun, join them) and
+        return the model's config, resolved once here for every rank. A torchrun process of
+        rank > 0 serves as a worker and exits when rank 0 ends."""
+        config = self.config
+        stored = manifest.model_config if manifest is not None else None
+        model_config = config_from_dict(stored) if stored else resolve_config(model)
+        spec = WorkerSpec(
+            model=model,
+            dtype=dtype,
+            device_type=config.device.type,
+            max_model_len=config.max_model_len,
+            model_config=config_to_dict(model_config),
+            block_size=config.block_size,
+            enforce_eager=config.enforce_eager,
+            target=config.target,
+            passes=passes,
+            cache_dir=str(cache_dir) if cache_dir is not None else None,
+            kernel_config=KernelConfig.coerce(config.kernel_config).to_dict(),
+            expert_parallel=config.enable_expert_parallel,
+            timeout_s=config.distributed_timeout_s,
+        )
+        size = config.tensor_parallel_size
+        launch = torchrun_launch(size, backend_for(config.device.type))
+        if launch is not None and launch.rank > 0:
+            tp, control = init_groups(launch, spec.timeout_s)
+            run_worker(launch, tp, control, spec, heartbeat=None)
+            raise SystemExit(0)
+        self.workers = WorkerGroup.start(spec, size, launch)
+        return model_config
+
+    def _before_first_run(self) -> None:
+        """The compiled graph's first run computes with the weights, and under tensor
+        parallelism meets the other ranks' first run: wait for both."""
+        self.wait_for_weights()
+        if self.workers is not None:
+            self.workers.barrier()
+
     def _open(
-        self, model: str, dtype: str, device: torch.device, manifest: Manifest | None
+        self,
+        model: str,
+        dtype: str,
+        device: torch.device,
+        manifest: Manifest | None,
+        model_config: ModelConfig | None = None,
     ) -> LoadedModel:
         """The model with its storage and weights coming on a thread, while this one loads the
         tokenizer, imports the compiler, allocates the KV cache, traces and compiles: sizing
@@ -293,14 +389,17 @@ class _Start:
             self.phase("cuda_init_s", mark)
         mark = time.perf_counter()
         stored = manifest.model_config if manifest is not None else None
+        if model_config is None and stored:
+            model_config = config_from_dict(stored)
         loaded, tensors = open_model(
             model,
             dtype=dtype,
             device=device,
             max_model_len=self.config.max_model_len,
-            config=config_from_dict(stored) if stored else None,
+            config=model_config,
             storage=False,
             quantization=self.config.quantization,
+            parallel=self.workers.tp if self.workers is not None else None,
         )
         # Settings the model's config decides, checked before the read starts.
         _max_model_len(loaded.config, self.config.max_model_len)

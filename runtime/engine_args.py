@@ -82,6 +82,24 @@ def add_engine_options(
         "applies after it (vLLM's names)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many ranks, one process each (default 1)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size > 1: spread MoE experts whole over the ranks",
+    )
+    parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=20.0,
+        help="seconds before a rank that has not finished a step is declared hung (default 20)",
+    )
+    parser.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="step synchronously instead of preparing step N+1 while step N runs",
@@ -108,4 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         cuda_graphs=not args.no_cuda_graphs,
         async_scheduling=not getattr(args, "no_async_scheduling", False),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        distributed_timeout_s=args.distributed_timeout,
     )

@@ -63,6 +63,14 @@ class EngineConfig:
     # dynamic per-token activations); an FP8 checkpoint runs as saved either way
     # (models/quant.py). An artifact's own when loading one.
     quantization: str | None = None
+    # Ranks the model is sharded over (vLLM's name): one process each, this one rank 0
+    # (runtime/parallel.py); the group size must divide the heads and MLP widths it splits.
+    tensor_parallel_size: int = 1
+    # MoE experts distributed whole over the ranks instead of each sliced (vLLM's name).
+    enable_expert_parallel: bool = False
+    # A rank that has not finished a step this long after it was sent is declared hung, and
+    # the engine ends with an error naming it (a rank that exits is named at once).
+    distributed_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -106,6 +114,7 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_pool_sequences={pool!r} is invalid: must be an integer >= 1"
             )
+        self._check_parallel()
         if self.passes is not None:
             from compile_engine.passes.registry import UnknownPassError, select
 
@@ -139,6 +148,41 @@ class EngineConfig:
             raise EngineConfigError(
                 f"grammar_compile_timeout_s={timeout!r} is invalid: must be in (0, 600] seconds"
             )
+
+    def _check_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise EngineConfigError(
+                f"tensor_parallel_size={size!r} is invalid: must be an integer >= 1"
+            )
+        if self.enable_expert_parallel and size < 2:
+            raise EngineConfigError(
+                "enable_expert_parallel needs tensor_parallel_size >= 2: it spreads the experts "
+                "over the tensor-parallel ranks"
+            )
+        timeout = self.distributed_timeout_s
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise EngineConfigError(
+                f"distributed_timeout_s={timeout!r} is invalid: must be a number of seconds > 0"
+            )
+        if size > 1 and self.quantization is not None:
+            raise EngineConfigError(
+                "quantization does not run tensor-parallel yet (its layers are not sharded); "
+                "use tensor_parallel_size 1, or the checkpoint's bf16 weights"
+            )
+        if size > 1 and TARGETS[self.target] == "cuda":
+            if size > torch.cuda.device_count():
+                raise EngineConfigError(
+                    f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
+                    f"{torch.cuda.device_count()}"
+                )
+            if self.num_kv_blocks is None:
+                # Not done: sizing the pool from memory measures an eager forward on rank 0
+                # alone, which the sharded model cannot run without its other ranks.
+                raise EngineConfigError(
+                    "tensor_parallel_size > 1 on a GPU needs num_kv_blocks set (sizing the KV "
+                    "pool from memory is not done for tensor parallelism yet)"
+                )
 
     @property
     def device(self) -> torch.device:

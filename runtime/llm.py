@@ -42,6 +42,9 @@ class LLM:
         reasoning_parser: str | None = None,
         grammar_compile_timeout_s: float = 5.0,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        distributed_timeout_s: float = 20.0,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -64,6 +67,9 @@ class LLM:
             reasoning_parser=reasoning_parser,
             grammar_compile_timeout_s=grammar_compile_timeout_s,
             quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            distributed_timeout_s=distributed_timeout_s,
         )
         self.engine = LLMEngine(config)
 

@@ -243,15 +243,19 @@ class ModelRunner:
         seed: int = 0,
         forward: Callable | None = None,
         graphs: CUDAGraphRunner | None = None,
+        compute_logits: Callable | None = None,
     ) -> None:
         """kv_caches: `allocate_kv_caches`'s, of num_blocks blocks. forward: what runs a step,
         with the model's signature (the compiled forward; None: the eager model). graphs: the
-        CUDA graphs of that forward, replayed for the steps they fit (None: none)."""
+        CUDA graphs of that forward, replayed for the steps they fit (None: none).
+        compute_logits: hidden rows -> logits (None: the model's; under tensor parallelism
+        the one that has every rank score its part of the vocabulary)."""
         self.model = loaded.model
         self.config = loaded.config
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         self.kv_caches = kv_caches
         self.forward = forward or self.model.forward
+        self.compute_logits = compute_logits or self.model.compute_logits
         self.graphs = graphs
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -428,9 +432,9 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, sample_rows: np.ndarray) -> torch.Tensor:
         if len(sample_rows) == hidden.shape[0]:
-            return self.model.compute_logits(hidden)  # every token samples (rows 0..T-1)
+            return self.compute_logits(hidden)  # every token samples (rows 0..T-1)
         rows = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden[rows])
+        return self.compute_logits(hidden[rows])
 
     def _sample(
         self, logits: torch.Tensor, sampling: list, token_bitmask: torch.Tensor | None
@@ -457,7 +461,7 @@ class ModelRunner:
         n = PROMPT_LOGPROB_ROWS
         parts = [
             prompt_token_logprobs(
-                self.model.compute_logits(hidden[rows[a : a + n]]), targets[a : a + n], plan.k
+                self.compute_logits(hidden[rows[a : a + n]]), targets[a : a + n], plan.k
             )
             for a in range(0, len(plan.rows), n)
         ]

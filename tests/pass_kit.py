@@ -72,11 +72,13 @@ def capture_graph(
     *,
     model_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
+    parallel=None,
 ) -> fx.GraphModule:
     """The whole-model FX graph exactly as our backend receives it from Dynamo (our ops as
     single `torch.ops.ce.*` nodes, before any pass), for a tiny `model_name` or the model in
     `model_dir`. Traced like CompiledForward.capture: same dummy batch, token dims dynamic,
-    floats specialised; the recording backend returns the graph uncompiled (no Inductor)."""
+    floats specialised; the recording backend returns the graph uncompiled (no Inductor).
+    `parallel` (models.parallel.TensorParallel): trace that rank's shard."""
     from compile_engine.compiler.compiled_model import (
         _drop_all_guards,
         _own_code_object,
@@ -85,7 +87,7 @@ def capture_graph(
     from compile_engine.models.loader import load_model
 
     model_dir = model_dir or make_model_dir(model_name)
-    model = load_model(model_dir, dtype=dtype).model
+    model = load_model(model_dir, dtype=dtype, parallel=parallel).model
     cfg = model.config
     kv_caches = [
         torch.zeros(model.kv_cache_shape(2, 16), dtype=dtype) for _ in range(cfg.num_layers)
@@ -178,6 +180,7 @@ def compiled_logits(
     sequences: list[list[int]] | None = None,
     prefill_chunk: int = 5,
     decode_tail: int = 3,
+    parallel=None,
 ) -> tuple[list[torch.Tensor], dict[str, int]]:
     """Per-sequence logits of the model in `model_dir` compiled with exactly `passes`, driven
     through the paged cache by a packed, chunked schedule (tests/paged_harness.run_schedule).
@@ -186,7 +189,8 @@ def compiled_logits(
     is set here, because `--passes` always adds lower_to_reference and so could never switch
     that pass off. With `inductor=False` each piece runs as its rewritten FX graph (seconds);
     with `inductor=True` Inductor compiles the pieces as in a build (tens of seconds on CPU).
-    Returns the logits and the pass manager's match counts.
+    Returns the logits and the pass manager's match counts. `parallel`: run that rank's
+    shard (models.parallel.TensorParallel).
     """
     from compile_engine.compiler.compiled_model import CompiledForward
     from compile_engine.compiler.config import CompileConfig
@@ -194,7 +198,7 @@ def compiled_logits(
 
     from paged_harness import PagedHarness, run_schedule
 
-    loaded = load_model(model_dir, dtype=ctx.dtype)
+    loaded = load_model(model_dir, dtype=ctx.dtype, parallel=parallel)
     compiled = CompiledForward(loaded.model, CompileConfig(target=ctx.target), ctx.dtype)
     manager = PassManager(list(passes), ctx)
     compiled.pass_manager = compiled.backend.pass_manager = manager
@@ -228,6 +232,7 @@ def assert_numerics_unchanged(
     rtol: float = 1e-4,
     inductor: bool = False,
     sequences: list[list[int]] | None = None,
+    parallel=None,
 ) -> dict[str, float]:
     """Logits with the pass on equal those with it off (no passes at all, so the ops run
     their references), within `rtol` relative to the largest logit, over a packed chunked
@@ -237,11 +242,15 @@ def assert_numerics_unchanged(
     ctx = PassContext(target, dtype)
     if not pass_.applies(ctx):
         raise KitError(f"pass {pass_.name} does not apply to target {target} in {dtype}")
-    on, counts = compiled_logits(model_dir, [pass_], ctx, inductor=inductor, sequences=sequences)
+    on, counts = compiled_logits(
+        model_dir, [pass_], ctx, inductor=inductor, sequences=sequences, parallel=parallel
+    )
     matches = counts[pass_.name]
     if matches == 0:
         raise KitError(f"pass {pass_.name} matched nothing in {model_dir}: nothing to compare")
-    off, _ = compiled_logits(model_dir, [], ctx, inductor=inductor, sequences=sequences)
+    off, _ = compiled_logits(
+        model_dir, [], ctx, inductor=inductor, sequences=sequences, parallel=parallel
+    )
     worst = max(relative_error(a, b) for a, b in zip(on, off, strict=True))
     if not worst <= rtol:  # a NaN error (non-finite logits) fails too
         raise AssertionError(

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from compile_engine.models import mla, moe, ops, quant, vocabulary
+from compile_engine.models import mla, moe, ops, parallel, quant, vocabulary
 
 
 def test_the_vocabulary_is_every_module_table():
-    tables = (ops.OPS, moe.MOE_OPS, mla.MLA_OPS, quant.QUANT_OPS)
+    tables = (ops.OPS, moe.MOE_OPS, mla.MLA_OPS, quant.QUANT_OPS, parallel.PARALLEL_OPS)
     assert sum(map(len, tables)) == len(vocabulary.OPS)  # no name defined twice
     for table in tables:
         assert table.items() <= vocabulary.OPS.items()
