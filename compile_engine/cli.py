@@ -78,6 +78,34 @@ def _build_artifact(args: argparse.Namespace, out: str, progress, steps):
     from compile_engine.runtime.activation_profile import build_step
     from compile_engine.runtime.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
+    if args.tensor_parallel_size < 1:
+        raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
+    if args.enable_expert_parallel and args.tensor_parallel_size < 2:
+        raise SystemExit("--enable-expert-parallel needs --tensor-parallel-size >= 2")
+    if args.tensor_parallel_size > 1:
+        from compile_engine.runtime.parallel import build_parallel
+
+        # No activation profile: it measures one rank's forward alone, which a sharded model
+        # cannot run (and serving with tensor parallelism on a GPU takes --num-kv-blocks).
+        return build_parallel(
+            args.model,
+            out,
+            tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            shard_settings=dict(
+                target=args.target,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                block_size=args.block_size,
+                passes=args.passes,
+                kernel_config=KernelConfig.coerce(args.kernel_config).to_dict(),
+            ),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_cuda_graph_tokens=args.max_cuda_graph_tokens,
+            progress=progress,
+            steps=steps,
+        )
     return build_artifact(
         args.model,
         out,
@@ -289,6 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest CUDA-graph size serve will capture (default 2048): its kernels compiled here",
     )
     build.add_argument("--block-size", type=int, default=16)
+    build.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="compile each of this many ranks' shards (one process each); serve the artifact "
+        "with the same --tensor-parallel-size",
+    )
+    build.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size > 1: MoE experts spread whole over the ranks",
+    )
     build.add_argument("--passes", default=None, help="+name,-name relative to the defaults")
     build.add_argument(
         "--kernel-config", default=None, help="our kernels' launch choices as JSON (see serve)"

@@ -163,9 +163,13 @@ class Manifest:
         return KernelConfig.from_dict(self.kernel_config.get("settings", {}))
 
     def rebuild_hint(self, directory: Path) -> str:
+        ranks = self.engine_args.get("tensor_parallel_size", 1)
+        parallel = f" --tensor-parallel-size {ranks}" if ranks > 1 else ""
+        if self.engine_args.get("enable_expert_parallel"):
+            parallel += " --enable-expert-parallel"
         return (
             f"rebuild with: compile-engine build {self.model_path} --target {self.target} "
-            f"--dtype {self.dtype} --out {directory}"
+            f"--dtype {self.dtype}{parallel} --out {directory}"
         )
 
     def check(self, directory: Path) -> None:

@@ -32,6 +32,7 @@ from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.config import config_to_dict
 from compile_engine.models.loader import LoadedModel, export_hf_checkpoint, load_model
+from compile_engine.models.parallel import TensorParallel
 from compile_engine.models.quant import quantized_layers
 from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer, tokenizer_class_name
 
@@ -54,6 +55,56 @@ def _generated_modules() -> set[str]:
     return {m.__file__ for m in PyCodeCache.modules if getattr(m, "__file__", None)}
 
 
+def prepare_output(out: str | Path) -> Path:
+    """The artifact directory, emptied of an earlier artifact (anything else there is an
+    error), with its kernels/ folder."""
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").is_file():
+            raise FileExistsError(f"{out} exists and is not an artifact; choose another --out")
+        shutil.rmtree(out)
+    (out / KERNELS_SUBDIR).mkdir(parents=True)
+    return out
+
+
+def compile_shard(
+    model: str,
+    out: str | Path,
+    *,
+    parallel: TensorParallel,
+    target: str = "cpu",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    passes: str | None = None,
+    kernel_config: dict | None = None,
+    before_first_run: Callable[[], None] | None = None,
+) -> None:
+    """What a tensor-parallel build runs on each rank but 0: load the rank's shard and compile
+    it into the artifact's Inductor cache (rank 0's `build_artifact` writes the rest). Each
+    rank's graph differs (its vocabulary and expert offsets are constants in it), so each
+    compiles its own pieces, which a serve of that rank then finds."""
+    out = Path(out)
+    device = torch.device("cuda", parallel.rank) if target == "h100" else torch.device("cpu")
+    loaded = load_model(
+        model, dtype=dtype, device=device, max_model_len=max_model_len, parallel=parallel
+    )
+    shape = loaded.model.kv_cache_shape(2, block_size)
+    kv_caches = [
+        torch.zeros(shape, dtype=loaded.dtype, device=device)
+        for _ in range(loaded.config.num_layers)
+    ]
+    config = CompileConfig(
+        target=target,
+        passes=passes,
+        cache_dir=out / CACHE_SUBDIR,
+        kernel=KernelConfig.from_dict(kernel_config) if kernel_config else tuning.default(),
+    )
+    CompiledForward(loaded.model, config, loaded.dtype).capture(
+        kv_caches, before_first_run=before_first_run
+    )
+
+
 def build_artifact(
     model: str,
     out: str | Path,
@@ -71,6 +122,8 @@ def build_artifact(
     progress: Callable[[str, float], None] | None = None,
     steps: Callable[[str, int, int | None], None] | None = None,
     extra_steps: dict[str, BuildStep] | None = None,
+    parallel: TensorParallel | None = None,
+    before_first_run: Callable[[], None] | None = None,
 ) -> Manifest:
     """Compile `model` for `target` into the artifact directory `out`; return its manifest.
     max_cuda_graph_tokens (None: MAX_GRAPH_TOKENS) bounds the graph sizes warmed up here, so
@@ -78,21 +131,24 @@ def build_artifact(
     our kernels' launch choices (None: the defaults), recorded in the manifest. quantization:
     None or "fp8" (online FP8, models/quant.py); the manifest lists the quantized layers.
     progress hears each stage's time when it ends; steps the compile's pieces and the warm-up's
-    sizes as they go (task, done, total)."""
+    sizes as they go (task, done, total). parallel: build rank 0's shard of a tensor-parallel
+    artifact, whose other ranks run `compile_shard` meanwhile (runtime/parallel.py
+    `build_parallel` starts them and prepares `out`); before_first_run meets them before the
+    graph's first run, whose collectives need every rank."""
     kernel_config = kernel_config or tuning.default()
     max_cuda_graph_tokens = max_cuda_graph_tokens or MAX_GRAPH_TOKENS
     say = progress or (lambda stage, seconds: log.info("%-8s %6.1f s", stage, seconds))
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        if not (out / "manifest.json").is_file():
-            raise FileExistsError(f"{out} exists and is not an artifact; choose another --out")
-        shutil.rmtree(out)
-    (out / KERNELS_SUBDIR).mkdir(parents=True)
+    out = prepare_output(out) if parallel is None else Path(out).resolve()
     device = torch.device("cuda" if target == "h100" else "cpu")
     t0 = time.perf_counter()
 
     loaded = load_model(
-        model, dtype=dtype, device=device, max_model_len=max_model_len, quantization=quantization
+        model,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        quantization=quantization,
+        parallel=parallel,
     )
     t_load = time.perf_counter() - t0
     say("load", t_load)
@@ -108,7 +164,7 @@ def build_artifact(
     )
     compiled = CompiledForward(loaded.model, config, loaded.dtype)
     before = _generated_modules()
-    compiled.capture(kv_caches, progress=steps)
+    compiled.capture(kv_caches, before_first_run=before_first_run, progress=steps)
     stats = compiled.backend.stats
     say("trace+passes", stats.trace_seconds + stats.pass_seconds)
     say("compile", stats.seconds - stats.pass_seconds)
@@ -119,9 +175,10 @@ def build_artifact(
         shutil.copyfile(path, dest)
         kernels.append(str(dest.relative_to(out)))
 
+    # Not done: CUDA graphs under tensor parallelism (runtime/builder.py serves without them).
     capture_sizes = (
         default_capture_sizes(max_num_seqs, max_num_batched_tokens, max_cuda_graph_tokens)
-        if target == "h100"
+        if target == "h100" and parallel is None
         else []
     )
     warm_up_s = 0.0
@@ -151,6 +208,9 @@ def build_artifact(
         say("warm-up", warm_up_s)
 
     extra_s = {}
+    if parallel is not None and extra_steps:
+        # A step computing with rank 0's shard alone would wait forever on the other ranks.
+        raise ValueError("extra build steps cannot run on one rank of a tensor-parallel build")
     for name, step in (extra_steps or {}).items():
         mark = time.perf_counter()
         step(loaded, out)
@@ -159,8 +219,10 @@ def build_artifact(
 
     weights_path = None
     if loaded.source.kind == "gguf":
-        # GGUF needs parsing and dequantisation at every load; the artifact keeps the result.
-        export_hf_checkpoint(loaded.model, loaded.hf_config, out / WEIGHTS_SUBDIR)
+        # GGUF needs parsing and dequantisation at every load; the artifact keeps the result
+        # (whole, under tensor parallelism too: each rank of a serve reads its slices of it).
+        whole = loaded.model if parallel is None else load_model(model, dtype=dtype).model
+        export_hf_checkpoint(whole, loaded.hf_config, out / WEIGHTS_SUBDIR)
         weights_path = WEIGHTS_SUBDIR
     tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path)
     tokenizer_class = None
@@ -188,6 +250,10 @@ def build_artifact(
             max_cuda_graph_tokens=max_cuda_graph_tokens,
             block_size=block_size,
             quantization=quantization,
+            # The shards were compiled for this many ranks (each its own graph): a serve
+            # must run as many (runtime/builder.py checks).
+            tensor_parallel_size=parallel.world_size if parallel is not None else 1,
+            enable_expert_parallel=parallel is not None and parallel.expert_parallel,
         ),
         passes=compiled.pass_manager.describe(),
         pass_manager_uuid=compiled.pass_manager.uuid(),

@@ -295,14 +295,7 @@ class _Start:
                 f"({built.to_dict()}); drop kernel_config to use the artifact's, or rebuild it "
                 f"with the new one: {manifest.rebuild_hint(artifact)}"
             )
-        built_ranks = manifest.engine_args.get("tensor_parallel_size", 1)
-        if built_ranks != config.tensor_parallel_size:
-            raise EngineConfigError(
-                f"artifact {artifact} was built for tensor_parallel_size={built_ranks}, not "
-                f"{config.tensor_parallel_size}; serve it with --tensor-parallel-size "
-                f"{built_ranks}, or rebuild: {manifest.rebuild_hint(artifact)} "
-                f"--tensor-parallel-size {config.tensor_parallel_size}"
-            )
+        check_parallel_matches(manifest, artifact, config)
         config.kernel_config = built
         quantization = manifest.engine_args.get("quantization")
         if config.quantization is not None and config.quantization != quantization:
@@ -457,6 +450,26 @@ class _Start:
             peak, _ = activation_bytes(*sizes, **key)
             self.phase("activation_profile_s", mark)
         return 2 * peak, cached
+
+
+def check_parallel_matches(manifest: Manifest, artifact: Path, config: EngineConfig) -> None:
+    """An artifact holds the compiled shards of the rank count (and expert split) it was built
+    for: refuse to serve it with others, saying how to serve or rebuild it."""
+    args = manifest.engine_args
+    built = (args.get("tensor_parallel_size", 1), bool(args.get("enable_expert_parallel")))
+    wanted = (config.tensor_parallel_size, config.enable_expert_parallel)
+    if built == wanted:
+        return
+    flags = " --enable-expert-parallel" if wanted[1] else ""
+    hint = manifest.rebuild_hint(artifact).split(" --out ")[0]
+    for flag in (f" --tensor-parallel-size {built[0]}", " --enable-expert-parallel"):
+        hint = hint.replace(flag, "")
+    raise EngineConfigError(
+        f"artifact {artifact} was built for tensor_parallel_size={built[0]}"
+        f"{', expert parallel' if built[1] else ''}, not tensor_parallel_size={wanted[0]}"
+        f"{', expert parallel' if wanted[1] else ''}; serve it with the settings it was built "
+        f"for, or {hint} --tensor-parallel-size {wanted[0]}{flags} --out {artifact}"
+    )
 
 
 def _graphs_possible(config: EngineConfig, compiled: CompiledForward) -> bool:

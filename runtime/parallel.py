@@ -204,10 +204,28 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, spec: WorkerSpec, world_size: int, launch: Launch | None) -> WorkerGroup:
-        """Spawn ranks 1..world_size-1 (unless a launcher started them: `launch`) and join
-        the group as rank 0; raises TensorParallelError naming a rank that fails to join."""
-        _shut_down_previous()
+        """Spawn ranks 1..world_size-1 as engine workers (unless a launcher started them:
+        `launch`) and join the group as rank 0; raises TensorParallelError naming a rank that
+        fails to join."""
         backend = backend_for(spec.device_type)
+        return cls.spawn(
+            world_size, backend, spec.timeout_s, spec.expert_parallel, worker_main, (spec,), launch
+        )
+
+    @classmethod
+    def spawn(
+        cls,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        expert_parallel: bool,
+        target: Callable,
+        args: tuple,
+        launch: Launch | None = None,
+    ) -> WorkerGroup:
+        """Start `target(launch, *args, heartbeat, failures)` as ranks 1..world_size-1 and
+        join the group as rank 0."""
+        _shut_down_previous()
         processes: dict[int, mp.Process] = {}
         context = mp.get_context("spawn")
         heartbeat = context.Array("q", world_size, lock=False)
@@ -218,20 +236,20 @@ class WorkerGroup:
             for rank in range(1, world_size):
                 worker = Launch(rank, world_size, launch.init_method, backend)
                 process = context.Process(
-                    target=worker_main,
-                    args=(worker, spec, heartbeat, failures),
+                    target=target,
+                    args=(worker, *args, heartbeat, failures),
                     name=f"ce-tp-rank{rank}",
                     daemon=True,
                 )
                 process.start()
                 processes[rank] = process
         try:
-            tp, control = init_groups(launch, spec.timeout_s)
+            tp, control = init_groups(launch, timeout_s)
         except Exception as exc:
-            group = cls(launch, None, None, processes, heartbeat, failures, spec.timeout_s)
+            group = cls(launch, None, None, processes, heartbeat, failures, timeout_s)
             raise group.failure(exc, "joining the group") from exc
-        tp = TensorParallel(tp.rank, tp.world_size, tp.group_name, spec.expert_parallel)
-        group = cls(launch, tp, control, processes, heartbeat, failures, spec.timeout_s)
+        tp = TensorParallel(tp.rank, tp.world_size, tp.group_name, expert_parallel)
+        group = cls(launch, tp, control, processes, heartbeat, failures, timeout_s)
         _ACTIVE.append(group)
         return group
 
@@ -271,8 +289,8 @@ class WorkerGroup:
             sizing_request(self.control, needed_tokens, reserve_bytes, requested or 0)
             return agree_num_blocks(self.control, candidate)
 
-    def barrier(self) -> None:
-        with self.guard("waiting for every rank to compile"):
+    def barrier(self, what: str = "waiting for every rank to compile") -> None:
+        with self.guard(what):
             dist.barrier(group=self.control)
 
     # -- failure ---------------------------------------------------------------------------
@@ -341,11 +359,12 @@ class WorkerGroup:
         for process in self.processes.values():
             process.join(timeout=5)
 
-    def shutdown(self) -> None:
-        """Stop the workers (a STOP command, then kill what lingers) and leave the groups."""
+    def shutdown(self, stop: bool = True) -> None:
+        """Stop the workers (a STOP command unless they end by themselves, then kill what
+        lingers) and leave the groups."""
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        if self.error is None and self.control is not None and not self._closed.is_set():
+        if stop and self.error is None and self.control is not None and not self._closed.is_set():
             with contextlib.suppress(Exception):
                 self._closed.set()
                 self._send(STOP, (), None)
@@ -488,3 +507,84 @@ def run_worker(launch: Launch, tp: TensorParallel, control, spec: WorkerSpec, he
                 raise TensorParallelError(f"rank {launch.rank} got unknown command {command}")
             if heartbeat is not None:  # None under torchrun: no watchdog to read it
                 heartbeat[launch.rank] += 1
+
+
+# --------------------------------------------------------------------------- build
+
+
+def build_parallel(
+    model: str,
+    out: str | Path,
+    *,
+    tensor_parallel_size: int,
+    enable_expert_parallel: bool = False,
+    timeout_s: float = 20.0,
+    shard_settings: dict,
+    **rank0_settings,
+):
+    """`compile-engine build --tensor-parallel-size N`: every rank compiles its shard into one
+    artifact, rank 0 (this process) writes it. `shard_settings` (picklable: target, dtype,
+    max_model_len, block_size, passes, kernel_config as a dict) reach every rank;
+    `rank0_settings` only build_artifact here (progress, the step sizes, ...)."""
+    from compile_engine.compiler.build import build_artifact, prepare_output
+    from compile_engine.kernels_generated.tuning import KernelConfig
+
+    out = prepare_output(out)
+    device_type = "cuda" if shard_settings.get("target") == "h100" else "cpu"
+    group = WorkerGroup.spawn(
+        tensor_parallel_size,
+        backend_for(device_type),
+        timeout_s,
+        enable_expert_parallel,
+        _build_worker,
+        (str(model), str(out), shard_settings, timeout_s, enable_expert_parallel),
+    )
+    try:
+        settings = dict(shard_settings)
+        kernel = settings.pop("kernel_config", None)
+        manifest = build_artifact(
+            model,
+            out,
+            parallel=group.tp,
+            before_first_run=group.barrier,
+            kernel_config=KernelConfig.from_dict(kernel) if kernel else None,
+            **settings,
+            **rank0_settings,
+        )
+        group.barrier("waiting for every rank to finish compiling")
+    except RuntimeError as exc:
+        if isinstance(exc, TensorParallelError):
+            raise
+        raise group.failure(exc, "building") from exc
+    finally:
+        group.shutdown(stop=False)
+    return manifest
+
+
+def _build_worker(
+    launch: Launch,
+    model: str,
+    out: str,
+    settings: dict,
+    timeout_s: float,
+    expert_parallel: bool,
+    heartbeat,
+    failures,
+) -> None:
+    """A build's rank > 0: compile its shard into the artifact's cache, then meet rank 0."""
+    del heartbeat  # a build sends no commands to count
+    try:
+        from compile_engine.compiler.build import compile_shard
+
+        if launch.backend == "gloo":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))
+        tp, control = init_groups(launch, timeout_s)
+        tp = TensorParallel(tp.rank, tp.world_size, tp.group_name, expert_parallel)
+        compile_shard(
+            model, out, parallel=tp, before_first_run=lambda: dist.barrier(group=control),
+            **settings,
+        )  # fmt: skip
+        dist.barrier(group=control)
+    except BaseException:
+        failures.put((launch.rank, traceback.format_exc()))
+        raise SystemExit(1) from None
