@@ -29,6 +29,7 @@ import datetime
 import logging
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -185,8 +186,12 @@ class WorkerGroup:
         heartbeat,
         failures,
         timeout_s: float,
+        rendezvous: Path | None = None,
     ) -> None:
+        """rendezvous: the folder of the file store the spawned workers met at, removed at
+        shutdown (None under torchrun)."""
         self.launch, self.tp, self.control = launch, tp, control
+        self.rendezvous = rendezvous
         self.processes, self.heartbeat, self.failures = processes, heartbeat, failures
         self.timeout_s = timeout_s
         self.issued = 0  # commands sent
@@ -230,10 +235,12 @@ class WorkerGroup:
         context = mp.get_context("spawn")
         heartbeat = context.Array("q", world_size, lock=False)
         failures = context.Queue()
+        rendezvous = None
         if launch is None:
-            rendezvous = Path(tempfile.mkdtemp(prefix="ce-tp-")) / "store"
-            launch = Launch(0, world_size, f"file://{rendezvous}", backend)
-            for rank in range(1, world_size):
+            rendezvous = Path(tempfile.mkdtemp(prefix="ce-tp-"))
+            launch = Launch(0, world_size, f"file://{rendezvous / 'store'}", backend)
+        try:
+            for rank in range(1, world_size if rendezvous is not None else 1):
                 worker = Launch(rank, world_size, launch.init_method, backend)
                 process = context.Process(
                     target=target,
@@ -243,14 +250,17 @@ class WorkerGroup:
                 )
                 process.start()
                 processes[rank] = process
-        try:
+            _wait_for_workers(processes, heartbeat)
             tp, control = init_groups(launch, timeout_s)
         except Exception as exc:
-            group = cls(launch, None, None, processes, heartbeat, failures, timeout_s)
-            raise group.failure(exc, "joining the group") from exc
+            group = cls(launch, None, None, processes, heartbeat, failures, timeout_s, rendezvous)
+            error = group.failure(exc, "joining the group")
+            group.shutdown(stop=False)
+            raise error from exc
         tp = TensorParallel(tp.rank, tp.world_size, tp.group_name, expert_parallel)
-        group = cls(launch, tp, control, processes, heartbeat, failures, timeout_s)
+        group = cls(launch, tp, control, processes, heartbeat, failures, timeout_s, rendezvous)
         _ACTIVE.append(group)
+        atexit.register(group.shutdown)  # workers blocked in a wait must not outlive us
         return group
 
     # -- the step's messages ---------------------------------------------------------------
@@ -334,6 +344,12 @@ class WorkerGroup:
             named = "; ".join(f"rank {r} failed: {m}" for r, m in sorted(self._messages.items()))
         else:
             named = f"a rank failed or timed out ({type(exc).__name__}: {exc})"
+        if what == "joining the group" and self._reasons and not self._messages:
+            # Died before running any of our code: most often spawn re-importing a script.
+            named += (
+                " (a script that starts an engine with tensor_parallel_size > 1 must do so "
+                'under `if __name__ == "__main__":`, since spawned ranks import it again)'
+            )
         self.error = TensorParallelError(
             f"tensor parallelism ({self.launch.world_size} ranks) failed while {what}: {named}. "
             "The engine cannot continue; start a new one"
@@ -364,6 +380,7 @@ class WorkerGroup:
         lingers) and leave the groups."""
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        atexit.unregister(self.shutdown)
         if stop and self.error is None and self.control is not None and not self._closed.is_set():
             with contextlib.suppress(Exception):
                 self._closed.set()
@@ -374,6 +391,19 @@ class WorkerGroup:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        if self.rendezvous is not None:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+
+def _wait_for_workers(processes: dict[int, mp.Process], heartbeat) -> None:
+    """Wait until every spawned worker is about to join (it sets its heartbeat to -1 then),
+    so that one dying on the way (an import error; a script without a __main__ guard) fails
+    the start at once rather than after the group's timeout in init_process_group."""
+    while any(heartbeat[rank] != -1 for rank in processes):
+        dead = [rank for rank, process in processes.items() if not process.is_alive()]
+        if dead:
+            raise RuntimeError(f"rank(s) {dead} exited before joining the group")
+        time.sleep(0.05)
 
 
 def _exit_reason(code: int | None) -> str:
@@ -396,9 +426,6 @@ def _shut_down_previous() -> None:
 def shutdown_active() -> None:
     """End this process's tensor-parallel group, if one runs (at exit, and for tests)."""
     _shut_down_previous()
-
-
-atexit.register(shutdown_active)
 
 
 class ParallelForward:
@@ -439,7 +466,11 @@ def worker_main(launch: Launch, spec: WorkerSpec, heartbeat, failures) -> None:
         if spec.device_type == "cpu":
             # The ranks share the machine's cores; one full set of threads each would thrash.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))
+        else:
+            torch.cuda.set_device(launch.rank)  # before NCCL binds the rank to a device
+        heartbeat[launch.rank] = -1  # about to join: rank 0 waits for this before it does
         tp, control = init_groups(launch, spec.timeout_s)
+        heartbeat[launch.rank] = 0
         run_worker(launch, tp, control, spec, heartbeat)
     except BaseException:
         failures.put((launch.rank, traceback.format_exc()))
@@ -572,13 +603,14 @@ def _build_worker(
     failures,
 ) -> None:
     """A build's rank > 0: compile its shard into the artifact's cache, then meet rank 0."""
-    del heartbeat  # a build sends no commands to count
     try:
         from compile_engine.compiler.build import compile_shard
 
         if launch.backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))
+        heartbeat[launch.rank] = -1  # about to join (see _wait_for_workers)
         tp, control = init_groups(launch, timeout_s)
+        heartbeat[launch.rank] = 0
         tp = TensorParallel(tp.rank, tp.world_size, tp.group_name, expert_parallel)
         compile_shard(
             model, out, parallel=tp, before_first_run=lambda: dist.barrier(group=control),
