@@ -1,14 +1,18 @@
 """Tensor and expert parallelism on the CPU over gloo: greedy tokens of every tiny architecture
 with its weights sharded over 2 (and 4) processes equal TP=1's and HF's, and the logits of a
-prompt are within 1e-4 of HF's; a rank that dies or hangs ends the run with an error naming it.
+prompt are within 1e-4 of HF's; a rank that dies or hangs ends the run with an error naming
+it; a torchrun launch serves from rank 0.
 
 Eager (no Inductor): each case starts its worker processes, a few seconds on CI's 2 cores.
 tests/distributed/test_tensor_parallel_compiled.py shows the compiled path."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -141,3 +145,30 @@ def test_a_failed_rank_ends_the_run_naming_it(sig, timeout_s, reason, tmp_path):
     assert "rank 1 " + reason in str(raised.value)
     assert elapsed < 30, f"the failure took {elapsed:.1f} s to surface"
     assert not worker.is_alive()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from compile_engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", target="cpu", enforce_eager=True, num_kv_blocks=64,
+          tensor_parallel_size=2)
+# Only rank 0 gets here: rank 1 serves inside LLM(...) and exits when rank 0 ends.
+params = SamplingParams(temperature=0, max_tokens=%d, ignore_eos=True)
+out = llm.generate(json.loads(sys.argv[2]), params)
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in out]), flush=True)
+"""
+
+
+def test_a_torchrun_launch_serves_from_rank_0(tmp_path):
+    """Launched by torchrun, the engine joins the launch's processes instead of spawning."""
+    hf_model = make_tiny_model("llama", tmp_path)
+    script = tmp_path / "serve.py"
+    script.write_text(TORCHRUN_SCRIPT % NEW_TOKENS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--standalone", str(script), str(tmp_path), json.dumps(PROMPTS)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(lines) == 1, run.stdout  # rank 0 alone generates
+    want = [hf_greedy(hf_model, p, NEW_TOKENS) for p in PROMPTS]
+    assert json.loads(lines[0].removeprefix("TOKENS ")) == want
