@@ -1,6 +1,6 @@
 """Tensor-parallel settings, checks and sharding rules that need no process group: the config's
 validation, the flags, which KV heads a rank keeps, the errors of a model that does not split,
-an artifact served with another rank count, the torchrun launch."""
+an artifact served with another rank count, the torchrun launch, the slices a rank reads."""
 
 from __future__ import annotations
 
@@ -146,3 +146,56 @@ def test_torchrun_launch(monkeypatch):
     assert (launch.rank, launch.world_size, launch.init_method) == (1, 2, "env://")
     with pytest.raises(TensorParallelError, match="WORLD_SIZE=2 but tensor_parallel_size=4"):
         torchrun_launch(4, "gloo")
+
+
+class _Recording:
+    """A checkpoint slice source that records what the loader asked of it."""
+
+    def __init__(self, tensor: torch.Tensor, asked: list) -> None:
+        self.tensor, self.asked = tensor, asked
+
+    def __getitem__(self, index):
+        self.asked.append(index)
+        return self.tensor[index]
+
+
+def test_a_rank_reads_only_its_slices_of_each_tensor():
+    """Rank 1 of 2 asks each sharded tensor for its rows or columns only; replicated tensors
+    (the norms) are read whole."""
+    from compile_engine.models.layers import FusedLinear, LazyTensor
+    from compile_engine.models.loader import export_hf_checkpoint, load_weights, materialize
+
+    full = build_on_meta(LLAMA, torch.float32)
+    materialize(full, "cpu")
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_()
+    shard = build_on_meta(LLAMA, torch.float32, parallel=_rank(1, 2))
+    materialize(shard, "cpu")
+    asked: dict[str, list] = {}
+    checkpoint = {}
+    for module_name, module in full.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}"
+            if isinstance(module, FusedLinear):  # the checkpoint's q/k/v, gate/up again
+                parent = module_name.rpartition(".")[0]
+                for proj, (a, b) in module.offsets.items():
+                    checkpoint[f"{parent}.{proj}.{pname}"] = param[a:b]
+            else:
+                checkpoint[name] = param
+    lazy = []
+    for name, tensor in checkpoint.items():
+        asked[name] = []
+        lazy.append((name, LazyTensor(_Recording(tensor, asked[name]), tuple(tensor.shape))))
+    load_weights(shard, lazy)
+    assert asked["model.layers.0.self_attn.q_proj.weight"] == [(slice(32, 64),)]
+    assert asked["model.layers.0.self_attn.k_proj.weight"] == [(slice(16, 32),)]
+    assert asked["model.layers.0.self_attn.o_proj.weight"] == [(slice(None), slice(32, 64))]
+    assert asked["model.layers.0.mlp.down_proj.weight"] == [(slice(None), slice(48, 96))]
+    assert asked["model.embed_tokens.weight"] == [(slice(48, 96),)]
+    assert asked["model.norm.weight"] == [(slice(None),)]
+    assert asked["lm_head.weight"] == [(slice(48, 96),)]
+    q = shard.model.layers[0].self_attn.qkv_proj.weight[:32]
+    assert torch.equal(q, checkpoint["model.layers.0.self_attn.q_proj.weight"][32:64])
+    with pytest.raises(ValueError, match="cannot be exported"):
+        export_hf_checkpoint(shard, None, "unused")
