@@ -18,7 +18,8 @@ Failure: a watchdog thread on rank 0 watches the worker processes. A worker that
 that has not finished a command `distributed_timeout_s` after it was sent (hung), is named; the
 watchdog then kills the workers, so that every collective still waiting fails at once instead
 of at its timeout, and the step raises `TensorParallelError` naming the rank. The engine cannot
-continue after that: every later call raises the same error.
+continue after that: every later step that reaches the ranks raises the same error (the
+engine's own bookkeeping of the step that never landed may complain first).
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ class WorkerGroup:
 
     # -- the step's messages ---------------------------------------------------------------
 
-    def _send(self, command: int, sizes: tuple[int, ...], payload: torch.Tensor | None) -> None:
+    def send(self, command: int, sizes: tuple[int, ...], payload: torch.Tensor | None) -> None:
+        """One command to every rank: the header on the control group, then the payload."""
         self.issued += 1
         self.issued_at = time.monotonic()
         header = torch.tensor([command, *sizes, 0, 0, 0][:4], dtype=torch.int64)
@@ -384,7 +386,7 @@ class WorkerGroup:
         if stop and self.error is None and self.control is not None and not self._closed.is_set():
             with contextlib.suppress(Exception):
                 self._closed.set()
-                self._send(STOP, (), None)
+                self.send(STOP, (), None)
             for process in self.processes.values():
                 process.join(timeout=5)
         self._stop_workers()
@@ -439,7 +441,7 @@ class ParallelForward:
         with self.group.guard("running a step"):
             batch, width = meta.block_tables.shape
             sizes = (input_ids.shape[0], batch, width)
-            self.group._send(FORWARD, sizes, _pack(input_ids, positions, meta))
+            self.group.send(FORWARD, sizes, _pack(input_ids, positions, meta))
             return self.inner(input_ids, positions, kv_caches, meta)
 
 
@@ -452,7 +454,7 @@ class ParallelLogits:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         with self.group.guard("computing logits"):
-            self.group._send(LOGITS, tuple(hidden.shape), hidden.contiguous())
+            self.group.send(LOGITS, tuple(hidden.shape), hidden.contiguous())
             return self.inner(hidden)
 
 
