@@ -130,24 +130,33 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self._tokenizer = None
+        self._vocabulary: Future | None = None
         self.compile_times: deque[float] = deque(maxlen=MASK_TIMES_KEPT)
 
-    def tokenizer(self):
-        """llguidance's view of the vocabulary (~1 s to build once, hence lazily)."""
+    def vocabulary(self) -> Future:
+        """llguidance's view of the vocabulary, built once on a grammar thread when the first
+        grammar asks (0.7 s for a 49k vocabulary, seconds for 128k on a busy CPU: it does not
+        count against a grammar's time limit, and an engine without grammars never pays it)."""
         with self._lock:
-            if self._tokenizer is None:
-                if self._hf_tokenizer is None:
-                    raise GrammarError(
-                        "structured output needs the model's tokenizer; this model has none",
-                        "structured_outputs",
-                    )
-                self._tokenizer = grammar_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
-            return self._tokenizer
+            if self._vocabulary is None:
+                self._vocabulary = self._pool.submit(self._build_vocabulary)
+            return self._vocabulary
+
+    def tokenizer(self):
+        return self.vocabulary().result()
+
+    def _build_vocabulary(self):
+        if self._hf_tokenizer is None:
+            raise GrammarError(
+                "structured output needs the model's tokenizer; this model has none",
+                "structured_outputs",
+            )
+        return grammar_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """The compiled matcher of `spec` (its initial state; copy it per sequence), as a
         future: done at once on a cache hit."""
+        self.vocabulary()  # queued ahead of every compile, which waits for it on its thread
         key = spec.key()
         with self._lock:
             future = self._compiled.get(key)
@@ -162,8 +171,10 @@ class GrammarCompiler:
         return future
 
     def compile(self, spec: StructuredOutputsParams):
-        """`submit`, waiting at most timeout_s (the engine thread's path: the server has
-        compiled the grammar already, so this is a cache hit there)."""
+        """`submit`, waiting at most timeout_s once the vocabulary is built (the engine
+        thread's path: the server has compiled the grammar already, so this is a cache hit
+        there)."""
+        self.tokenizer()
         future = self.submit(spec)
         try:
             return future.result(timeout=self.timeout_s)
@@ -226,6 +237,8 @@ class StructuredOutputs:
     states: dict[str, _State] = field(default_factory=dict)
     mask_times: deque = field(default_factory=lambda: deque(maxlen=MASK_TIMES_KEPT))
     _executor: Any = None
+    _buffers: list = field(default_factory=lambda: [None, None])
+    _turn: int = 0
 
     def add(
         self, request_ids: list[str], spec: StructuredOutputsParams, prompt_tail: str = ""
@@ -283,9 +296,13 @@ class StructuredOutputs:
 
     def bitmask(self, requests: list) -> torch.Tensor | None:
         """[S, ceil(V / 32)] int32 on the host: bit t of row i allows token t; rows without an
-        active grammar allow everything. None when no row is constrained."""
-        import llguidance.torch as llt
+        active grammar allow everything. None when no row is constrained.
 
+        The rows are filled in place, by llguidance's threads, in one of two buffers used in
+        turn (pinned on CUDA machines, so that the sampler's copy to the device does not wait):
+        a buffer is written again only two steps later, after the step that read it has been
+        collected. Allocating the mask each step cost more than computing it (a 1 MB
+        torch.full took milliseconds on a busy CPU)."""
         rows = [
             (state.matcher, i)
             for i, r in enumerate(requests)
@@ -296,17 +313,32 @@ class StructuredOutputs:
         if not rows:
             return None
         started = time.perf_counter()
-        words = (self.compiler.vocab_size + 31) // 32
-        # Pinned on CUDA machines, so that the sampler's copy to the device does not wait.
-        pinned = torch.cuda.is_available()
-        mask = torch.full((len(requests), words), -1, dtype=torch.int32, pin_memory=pinned)
+        mask = self._next_buffer(len(requests))
+        if len(rows) < len(requests):
+            constrained = {i for _, i in rows}
+            for i in range(len(requests)):
+                if i not in constrained:
+                    mask[i] = -1
+        words = mask.shape[1]
+        # The executor's own call (llguidance.torch wraps it, but importing that module
+        # compiles a torch function and costs seconds on the first mask).
+        self._executor.unsafe_compute_mask_ptr(rows, mask.data_ptr(), words * 4, len(requests))
+        self.mask_times.append(time.perf_counter() - started)
+        return mask
+
+    def _next_buffer(self, num_rows: int) -> torch.Tensor:
         if self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor()
-        llt.fill_next_token_bitmask_par(self._executor, rows, mask)
-        self.mask_times.append(time.perf_counter() - started)
-        return mask
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.shape[0] < num_rows:
+            words = (self.compiler.vocab_size + 31) // 32
+            pinned = torch.cuda.is_available()
+            buffer = torch.empty((num_rows, words), dtype=torch.int32, pin_memory=pinned)
+            self._buffers[self._turn] = buffer
+        return buffer[:num_rows]
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -34,4 +34,5 @@ def test_bench_structured_record(tmp_path):
     assert record["mask_steps"] > 0 and record["grammar_mask_p99_ms"] > 0
     assert record["grammar_compile_p99_ms"] > 0
     assert record["json_schema_complete_valid"] == record["json_schema_complete"]
+    assert record["json_schema_accepted"] == record["json_schema_answers"] == 4
     assert record["plain_mean_output_len"] == 24  # ignore_eos: every plain answer runs to length
