@@ -8,6 +8,7 @@ otherwise); and the op survives torch.compile(fullgraph=True, dynamic=True) as e
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -22,7 +23,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from compile_engine.models import mla, moe, ops, vocabulary
+from compile_engine.models import mla, moe, ops, parallel, quant, vocabulary
 from compile_engine.models.rope import cos_sin_table
 
 
@@ -379,11 +380,58 @@ def _compile_case(name: str):
         )
     if name == "moe_combine":
         return moe.moe_combine, moe.moe_combine_ref, (_randn(8, 6, seed=35), _randn(4, 2))
+    scheme = str(quant.QuantScheme("channel", "token"))
+    weight = (_randn(6, 8, seed=41) * 4).to(torch.float8_e4m3fn)  # [N 6, K 8]
+    weight_scale = _randn(6, seed=42).abs() + 0.5
+    if name == "quant_linear":
+        return (
+            lambda x: quant.quant_linear(x, weight, weight_scale, None, None, scheme),
+            lambda x: quant.quant_linear_ref(x, weight, weight_scale, None, None, scheme),
+            (_randn(5, 8, seed=43),),
+        )
+    if name == "quantize_fp8":  # dynamic per-token scales: the fp8 values compared as floats
+        return (
+            lambda x: [t.float() for t in quant.quantize_fp8(x, None)],
+            lambda x: [t.float() for t in quant.quantize_fp8_ref(x, None)],
+            (_randn(5, 8, seed=44),),
+        )
+    if name == "dequantize_fp8":
+        return (
+            lambda q: quant.dequantize_fp8(q, weight_scale, scheme, torch.float32),
+            lambda q: quant.dequantize_fp8_ref(q, weight_scale, scheme, torch.float32),
+            (weight,),
+        )
+    if name == "all_reduce_add_rms_norm":  # a group of one rank (the test makes it)
+        group = torch.distributed.group.WORLD.group_name
+        return (
+            lambda x, r, w: parallel.all_reduce_add_rms_norm(x, r, w, 1e-5, group),
+            lambda x, r, w: parallel.all_reduce_add_rms_norm_ref(x, r, w, 1e-5, group),
+            (_randn(5, 8, seed=45), _randn(5, 8, seed=46), _randn(8, seed=47)),
+        )
     raise AssertionError(f"no compile case for op {name}")
 
 
+@contextlib.contextmanager
+def _one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", list(vocabulary.OPS))
-def test_op_is_one_node_under_compile(name: str) -> None:
+def test_op_is_one_node_under_compile(name: str, tmp_path) -> None:
+    grouped = name == "all_reduce_add_rms_norm"
+    with _one_rank_group(tmp_path) if grouped else contextlib.nullcontext():
+        _check_one_node(name)
+
+
+def _check_one_node(name: str) -> None:
     graphs: list[list] = []  # call targets of each graph, recorded before AOT rewrites it
 
     def recording_backend(gm: torch.fx.GraphModule, example_inputs):
