@@ -323,6 +323,22 @@ def _details(r: dict) -> list[str]:
                 row.append(_gpu_cell(x.get("gpu", {})))
             rows.append(row)
         lines += _table(header, rows)
+    elif kind == "structured":
+        batch = r["batch"]
+        header = ["batch", "requests", "plain tok/s", "JSON schema tok/s", "overhead"]
+        header += ["mask ms p50 / p99 / max", "compile ms p50 / p99", "grammar accepts"]
+        row = [
+            str(batch),
+            f"{r['num_requests']} x ({r['input_len']} / {r['output_len']}), {r['repeats']} each",
+            _fmt(r["plain_output_tok_s"]),
+            _fmt(r["json_schema_output_tok_s"]),
+            f"{r[f'structured_overhead_bs{batch}']:.1%}",
+            f"{r['grammar_mask_p50_ms']:.2f} / {r['grammar_mask_p99_ms']:.2f} / "
+            f"{r['grammar_mask_max_ms']:.2f}",
+            f"{r['grammar_compile_p50_ms']:.2f} / {r['grammar_compile_p99_ms']:.2f}",
+            f"{r.get('json_schema_accepted', '—')} / {r.get('json_schema_answers', '—')}",
+        ]
+        lines += _table(header, [row])
     elif kind == "throughput":
         header = ["requests", "in / out", "elapsed s", "req/s", "output tok/s", "total tok/s"]
         row = [

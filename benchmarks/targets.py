@@ -41,6 +41,10 @@ class Target:
     bound: float | None  # None: reported, no target
     higher_is_better: bool = True
     short: str = ""  # the plot's label
+    percent: bool = False  # the key is a fraction, shown as a percentage
+
+    def show(self, value: float) -> str:
+        return f"{value:.1%}" if self.percent else number(value)
 
     def met(self, value: float) -> bool | None:
         if self.bound is None:
@@ -51,7 +55,7 @@ class Target:
     def text(self) -> str:
         if self.bound is None:
             return "— (reported)"
-        return f"{'>=' if self.higher_is_better else '<='} {number(self.bound)}"
+        return f"{'>=' if self.higher_is_better else '<='} {self.show(self.bound)}"
 
 
 TARGETS = (
@@ -67,6 +71,16 @@ TARGETS = (
     Target("serve_output_tok_s", "serve 512/256 at concurrency 256, output tok/s", None),
     Target("startup_ready_minus_weights_s", "serve ready besides the weight read, s", 10, False),
     Target("cold_build_s", "cold build, s", 90, False),
+    Target(
+        "structured_overhead_bs64",
+        "output throughput lost with every request under a JSON schema, batch 64",
+        0.05,
+        False,
+        percent=True,
+    ),
+    Target(
+        "grammar_mask_p99_ms", "grammar mask a step, batch 64, 128k vocabulary, p99 ms", 1, False
+    ),
 )
 PLOTTED = ("decode_bs1_tok_s", "decode_bs64_tok_s", "decode_bs256_tok_s", "offline_output_tok_s")
 
@@ -139,7 +153,7 @@ def table(results: list[dict], plot_file: str | None) -> list[str]:
         peers = [PEERS[p].get(target.key) for p in (VLLM, STATIC)]
         cells = [
             target.label,
-            f"**{number(value)}**",
+            f"**{target.show(value)}**",
             _run_name(run),
             *(number(p) if p is not None else "—" for p in peers),
             target.text,
