@@ -195,7 +195,7 @@ class _Start:
             self.timings["compile_s"] = time.perf_counter() - mark - waited
             if self.workers is not None and config.device.type == "cuda":
                 # Not done: a replayed graph would skip the step's broadcast to the workers.
-                log.info("no CUDA graphs: tensor parallelism runs the compiled pieces")
+                log.warning("no CUDA graphs: tensor parallelism runs the compiled pieces")
             elif _graphs_possible(config, compiled):
                 self.wait_for_weights()  # another thread's copies would break the capture
                 mark = time.perf_counter()

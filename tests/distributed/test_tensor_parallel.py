@@ -48,6 +48,11 @@ CASES = {
     "qwen3_moe-ep2": (lambda d: make_tiny_moe("qwen3_moe", d), 2, True),
     "qwen2_moe-ep2": (lambda d: make_tiny_moe("qwen2_moe", d, stacked=True), 2, True),
     "deepseek-v3-tp2": (lambda d: make_tiny_deepseek("deepseek-v3", d), 2, False),
+    # Four ranks for MoE and MLA too: experts sliced four ways, spread whole one a rank, MLA's
+    # heads one a rank.
+    "mixtral-tp4": (lambda d: make_tiny_moe("mixtral", d, stacked=True), 4, False),
+    "qwen2_moe-ep4": (lambda d: make_tiny_moe("qwen2_moe", d, stacked=True), 4, True),
+    "deepseek-v3-tp4": (lambda d: make_tiny_deepseek("deepseek-v3", d), 4, False),
 }
 
 
