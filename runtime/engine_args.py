@@ -100,6 +100,13 @@ def add_engine_options(
         help="seconds before a rank that has not finished a step is declared hung (default 20)",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding as JSON (vLLM's), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        'or a draft_model with "model" (runtime/speculative_config.py)',
+    )
+    parser.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="step synchronously instead of preparing step N+1 while step N runs",
@@ -129,4 +136,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout_s=args.distributed_timeout,
+        speculative_config=getattr(args, "speculative_config", None),
     )

@@ -10,6 +10,7 @@ import torch
 
 from compile_engine.compiler.artifact import Manifest, is_artifact
 from compile_engine.kernels_generated.tuning import KernelConfig, KernelConfigError
+from compile_engine.runtime.speculative_config import SpeculativeConfig, SpeculativeConfigError
 
 TARGETS = {"cpu": "cpu", "h100": "cuda"}
 # What --dtype takes (vLLM's names): "auto" keeps the checkpoint's.
@@ -71,6 +72,9 @@ class EngineConfig:
     # A rank that has not finished a step this long after it was sent is declared hung, and
     # the engine ends with an error naming it (a rank that exits is named at once).
     distributed_timeout_s: float = 20.0
+    # Speculative decoding (runtime/speculative_config.py, vLLM's speculative_config): a
+    # SpeculativeConfig, its dict or JSON form; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -147,6 +151,15 @@ class EngineConfig:
         if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
             raise EngineConfigError(
                 f"grammar_compile_timeout_s={timeout!r} is invalid: must be in (0, 600] seconds"
+            )
+        try:
+            self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        except (SpeculativeConfigError, TypeError) as exc:
+            raise EngineConfigError(f"speculative_config: {exc}") from None
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise EngineConfigError(
+                "speculative_config does not run tensor-parallel yet (the draft model and the "
+                "verification are untested across ranks); use tensor_parallel_size 1"
             )
 
     def _check_parallel(self) -> None:

@@ -45,6 +45,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         distributed_timeout_s: float = 20.0,
+        speculative_config: dict | str | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -70,6 +71,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             enable_expert_parallel=enable_expert_parallel,
             distributed_timeout_s=distributed_timeout_s,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
 
