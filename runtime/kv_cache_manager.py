@@ -337,6 +337,16 @@ class KVCacheManager:
         table.num_cached = num_full
         table.parent_id = parent_id
 
+    def trim(self, request: Request) -> None:
+        """Release the blocks past those that hold `request.num_computed_tokens` (rejected
+        draft tokens). They hold no full block of known tokens, so none of them is cached."""
+        table = self._tables[request.request_id]
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if len(table.blocks) > keep:
+            extra = table.blocks[keep:]
+            del table.blocks[keep:], table.block_ids[keep:]
+            self.pool.release(extra[::-1])
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (finish, abort or preemption). Safe to call twice."""
         table = self._tables.pop(request.request_id, None)

@@ -75,6 +75,15 @@ class Request:
     # from the device (see Scheduler and LLMEngine.step).
     num_pending_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: the draft tokens proposed for the request's next step (set by the
+    # proposer, taken by the scheduler, which may shorten them to fit), how many of a launched
+    # step's scheduled tokens are drafts not yet verified, and the acceptance over the current
+    # window of drafts, which turns proposals off when low (`spec_disabled`).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_drafts_in_flight: int = 0
+    spec_window_offered: int = 0
+    spec_window_accepted: int = 0
+    spec_disabled: bool = False
     # The stop token id (stop_token_ids), the stop string (found by the engine), or None.
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(init=False)
@@ -128,3 +137,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def drop_output_tokens(self, n: int) -> None:
+        """Forget the last n output tokens: accepted drafts past a stop string the engine found
+        after the scheduler had appended them (the request finishes at once)."""
+        if n:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]

@@ -13,6 +13,16 @@ as *pending* until `update_from_output` delivers it. A pending token is schedule
 one; its id in `new_token_ids` is PENDING_TOKEN, which the runner fills from the device. Run
 synchronously (update before the next schedule), nothing is ever pending at schedule time.
 
+Speculative decoding adds draft tokens to a decode row (STYLE #8: they are scheduled tokens
+like any other): a running request whose chunk reaches its last token, with nothing pending,
+takes the drafts its proposer left in `Request.spec_token_ids` as far as the budget,
+max_tokens and max_model_len allow, and gets KV slots for them, unless that needs a block the
+pool can only give by preempting (then it runs without). `update_from_output` receives the
+accepted drafts and the target's own token, rolls `num_computed_tokens` back past the rejected
+drafts, frees the blocks beyond, and offers the prefix cache only blocks of accepted tokens. A
+row verifying drafts is not scheduled again until its step lands (its length is unknown until
+then); the engine steps synchronously while any request speculates.
+
 Order within a step: running requests first, in admission order, then waiting ones first come
 first served. When the KV pool runs dry for a running request, the most recently admitted running
 request is preempted (its blocks freed, its generated tokens kept) and put at the front of the
@@ -59,6 +69,11 @@ class SchedulerConfig:
     # Bound on queued (never admitted) requests; None means unbounded. Preempted requests always
     # go back to the queue regardless, since dropping them would lose work already promised.
     max_waiting: int | None = None
+    # Speculative decoding: the most drafts a row takes (0: off), and the acceptance below
+    # which a request's proposals turn off, judged per window of offered drafts.
+    num_speculative_tokens: int = 0
+    min_acceptance_rate: float = 0.0
+    acceptance_window: int = 16
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -73,6 +88,8 @@ class SchedulerConfig:
         positive("num_blocks", 2)
         positive("max_num_seqs")
         positive("max_num_batched_tokens")
+        positive("num_speculative_tokens", 0)
+        positive("acceptance_window")
         if self.max_waiting is not None:
             positive("max_waiting", 0)
 
@@ -86,7 +103,10 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
     samples: bool  # this chunk reaches the last token: the runner samples one token
-    new_token_ids: list[int]  # PENDING_TOKEN where the token is still in flight
+    new_token_ids: list[int]  # PENDING_TOKEN where the token is still in flight; drafts last
+    # The drafts this row verifies (the last len() of new_token_ids): the runner samples at
+    # each of the 1 + len() last positions and returns the accepted drafts and one more token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,6 +124,12 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters): rows that verified
+    # drafts, their draft tokens, the accepted ones, and those accepted at each position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -123,6 +149,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self._leaders: dict[str, Request] = {}  # group_id -> its live sibling 0
         self.num_preemptions_total = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
+        self.spec_accepted_per_pos = [0] * config.num_speculative_tokens
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -191,12 +219,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            if self._finishes_on_pending(request):
-                i += 1  # its last token is in flight: nothing more to compute
+            if self._finishes_on_pending(request) or request.num_drafts_in_flight:
+                # Its last token is in flight, or its length is (drafts being verified).
+                i += 1
                 continue
             num_new = min(
                 request.num_tokens_with_pending - request.num_computed_tokens, step.budget
             )
+            drafts = self._take_drafts(request, num_new, step.budget)
+            if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # speculation never preempts anyone
+            num_new += len(drafts)
             while not self.kv.allocate_slots(request, num_new):
                 # Victims come from the end, which is never already scheduled this step.
                 victim = self.running.pop()
@@ -206,7 +239,7 @@ class Scheduler:
                     # It was the last one: it waits until blocks free up. Admission checked
                     # that a lone request always fits, so this cannot last forever.
                     return
-            self._emit(step, request, num_new)
+            self._emit(step, request, num_new, drafts)
             i += 1
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
@@ -241,6 +274,25 @@ class Scheduler:
         if leader.cache_salt != request.cache_salt:
             return None
         return leader
+
+    def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposer's drafts that fit this step, taking them off the request: only after
+        a chunk that reaches the last token with nothing pending, and no more than
+        num_speculative_tokens, the budget left, the tokens max_tokens still allows after one,
+        and max_model_len."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or request.num_pending_tokens:
+            return []
+        if request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        room = min(
+            len(drafts),
+            self.config.num_speculative_tokens,
+            budget - num_new,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return drafts[: max(room, 0)]
 
     def _admit(self, request: Request, leader: Request | None, step: _StepBuilder) -> bool:
         assert request.num_computed_tokens == 0
@@ -277,11 +329,14 @@ class Scheduler:
             or request.num_tokens_with_pending >= self.config.max_model_len
         )
 
-    def _emit(self, step: _StepBuilder, request: Request, num_new: int) -> None:
+    def _emit(
+        self, step: _StepBuilder, request: Request, num_new: int, drafts: list[int] = ()
+    ) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        known = request.all_token_ids[start:end]
-        samples = end == request.num_tokens_with_pending
+        known = request.all_token_ids[start : end - len(drafts)]
+        samples = end - len(drafts) == request.num_tokens_with_pending
+        pending = [PENDING_TOKEN] * (num_new - len(drafts) - len(known))
         step.scheduled.append(
             ScheduledRequest(
                 request=request,
@@ -289,17 +344,20 @@ class Scheduler:
                 num_new_tokens=num_new,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 samples=samples,
-                new_token_ids=known + [PENDING_TOKEN] * (num_new - len(known)),
+                new_token_ids=known + pending + list(drafts),
+                draft_token_ids=list(drafts),
             )
         )
         request.num_computed_tokens = end
         request.num_pending_tokens += samples
+        request.num_drafts_in_flight = len(drafts)
         step.num_new[request.request_id] = num_new
         step.budget -= num_new
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -307,35 +365,49 @@ class Scheduler:
 
     # -- after the model ran ------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
         """Advance the step's requests, append sampled tokens and finish those that stop.
 
-        `sampled` maps request id to the token sampled for every scheduled request whose
-        `samples` is True. Requests finished or aborted since `schedule()` are skipped. Returns
-        the requests that finished in this call, their blocks already freed.
+        `sampled` maps request id to the tokens of every scheduled request whose `samples` is
+        True: one, or with drafts the accepted ones and then the target's own. A stop (eos, a
+        stop token, max_tokens) ends the list there: the tokens after it are deleted from the
+        list in place, so that the caller sees what the request holds. Requests finished or
+        aborted since `schedule()` are skipped. Returns the requests that finished in this call,
+        their blocks already freed.
         """
         finished: list[Request] = []
         for item in output.scheduled:
             request = item.request
             if self.requests.get(request.request_id) is not request:
                 continue  # finished by finish_requests() while the step ran
+            status, rejected = None, 0
+            if item.samples:
+                # A request preempted after this step was launched still gets its tokens: they
+                # were computed from a valid cache, and recompute will cover them.
+                request.num_pending_tokens -= 1
+                request.num_drafts_in_flight = 0
+                tokens = self._sampled(item, sampled)
+                num_accepted = len(tokens) - 1
+                if item.draft_token_ids:
+                    self._count_drafts(request, len(item.draft_token_ids), num_accepted)
+                    rejected = len(item.draft_token_ids) - num_accepted
+                for kept, token in enumerate(tokens, 1):
+                    request.append_output_token(token)
+                    status = self._check_stop(request, token)
+                    if status is not None:
+                        del tokens[kept:]
+                        break
             if request.status is RequestStatus.RUNNING:
+                if rejected:
+                    request.num_computed_tokens -= rejected
+                    self.kv.trim(request)
                 # Every input token of this step is known by now (a pending one landed with
-                # the step before), so its full blocks can enter the prefix cache.
-                self.kv.cache_blocks(request, item.num_computed_tokens + item.num_new_tokens)
-            if not item.samples:
-                continue
-            # A request preempted after this step was launched still gets the token: it was
-            # computed from a valid cache, and recompute will cover it.
-            request.num_pending_tokens -= 1
-            try:
-                token = sampled[request.request_id]
-            except KeyError:
-                raise KeyError(
-                    f"no sampled token for {request.request_id!r}, which was scheduled to sample"
-                ) from None
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
+                # the step before), so its full blocks can enter the prefix cache; of its
+                # drafts, only the accepted ones.
+                end = item.num_computed_tokens + item.num_new_tokens - rejected
+                self.kv.cache_blocks(request, end)
             if status is not None:
                 if request.status is not RequestStatus.RUNNING:
                     self.waiting.remove(request)  # preempted while its last step ran
@@ -345,6 +417,41 @@ class Scheduler:
             # One pass instead of a list.remove per finished request.
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return finished
+
+    @staticmethod
+    def _sampled(item: ScheduledRequest, sampled: dict[str, list[int]]) -> list[int]:
+        rid = item.request.request_id
+        try:
+            tokens = sampled[rid]
+        except KeyError:
+            raise KeyError(f"no sampled token for {rid!r}, which was scheduled to sample") from None
+        drafts = item.draft_token_ids
+        if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
+            raise ValueError(
+                f"{rid!r}: sampled {tokens} is not its accepted drafts of {drafts} and one token"
+            )
+        return tokens
+
+    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        request.spec_window_offered += num_drafts
+        request.spec_window_accepted += num_accepted
+        cfg = self.config
+        if request.spec_window_offered >= cfg.acceptance_window:
+            rate = request.spec_window_accepted / request.spec_window_offered
+            request.spec_disabled = rate < cfg.min_acceptance_rate
+            request.spec_window_offered = request.spec_window_accepted = 0
+
+    def speculating(self) -> bool:
+        """Whether some live request may still get drafts (the engine then steps
+        synchronously: proposing needs each request's last token on the host)."""
+        if not self.config.num_speculative_tokens:
+            return False
+        return any(not r.spec_disabled for r in self.requests.values())
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -412,6 +519,10 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -433,8 +544,11 @@ class Scheduler:
         for r in self.running:
             assert self.requests[r.request_id] is r, f"{r.request_id}: stale object running"
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} running as {r.status.name}"
-            assert r.num_computed_tokens <= r.num_tokens_with_pending, (
+            assert r.num_computed_tokens <= r.num_tokens_with_pending + r.num_drafts_in_flight, (
                 f"{r.request_id} computed past its tokens"
+            )
+            assert not r.num_drafts_in_flight or r.num_pending_tokens, (
+                f"{r.request_id} has drafts in flight but no step to verify them"
             )
             assert r.num_pending_tokens or r.num_computed_tokens < r.num_tokens, (
                 f"{r.request_id} has nothing to compute and nothing in flight"
@@ -449,6 +563,9 @@ class Scheduler:
                 f"{r.request_id} waiting as {r.status.name}"
             )
             assert r.num_computed_tokens == 0, f"{r.request_id} waits with computed tokens"
+            assert not r.num_drafts_in_flight or r.num_pending_tokens, (
+                f"{r.request_id} waits with drafts but no step in flight"
+            )
             assert not self.kv.has_blocks(r.request_id), f"{r.request_id} waits holding blocks"
         for gid, leader in self._leaders.items():
             assert self.requests.get(leader.request_id) is leader, f"group {gid}: leader is gone"

@@ -69,7 +69,7 @@ def make_scheduler(**overrides: object) -> Scheduler:
 
 def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.samples}
     finished = sched.update_from_output(out, sampled)
     sched.check_integrity()
     return out, finished
@@ -191,15 +191,17 @@ def test_stop_conditions() -> None:
     sched.add_request(make_request("min", [5], min_tokens=2))
     sched.add_request(make_request("stopid", [5], stop_token_ids=[9]))
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"eos": EOS, "ignore": EOS, "min": EOS, "stopid": 9})
+    finished = sched.update_from_output(
+        out, {"eos": [EOS], "ignore": [EOS], "min": [EOS], "stopid": [9]}
+    )
     assert {r.request_id: (r.finish_reason, r.stop_reason) for r in finished} == {
         "eos": ("stop", None),
         "stopid": ("stop", 9),
     }
     out = sched.schedule()
-    assert sched.update_from_output(out, {"ignore": EOS, "min": EOS}) == []
+    assert sched.update_from_output(out, {"ignore": [EOS], "min": [EOS]}) == []
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"ignore": EOS, "min": EOS})
+    finished = sched.update_from_output(out, {"ignore": [EOS], "min": [EOS]})
     assert {r.request_id: r.finish_reason for r in finished} == {"ignore": "length", "min": "stop"}
     assert [len(r.output_token_ids) for r in finished] == [3, 3]
     assert not sched.has_unfinished_requests()
@@ -215,7 +217,7 @@ def test_finish_requests_aborts_and_ignores_unknown_ids() -> None:
     assert [r.finish_reason for r in done] == ["abort"]
     assert sched.finish_requests("a") == []
     # A request aborted while its step ran is skipped when the step's output comes back.
-    assert [r.request_id for r in sched.update_from_output(out, {"a": 3, "b": 3})] == []
+    assert [r.request_id for r in sched.update_from_output(out, {"a": [3], "b": [3]})] == []
     (stopped,) = sched.finish_requests("b", RequestStatus.FINISHED_STOPPED, stop_reason="\n\n")
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", "\n\n")
     assert sched.stats().kv_cache_usage == 0.0 and not sched.has_unfinished_requests()
@@ -360,6 +362,113 @@ def test_siblings_admit_normally_when_the_leader_is_gone() -> None:
     assert [(s.request.request_id, s.num_computed_tokens) for s in out.scheduled] == [("g1", 16)]
 
 
+# -- speculative rows -------------------------------------------------------------------------
+
+
+def spec_scheduler(**overrides: object) -> Scheduler:
+    return make_scheduler(num_speculative_tokens=4, **overrides)
+
+
+def decode_until_running(sched: Scheduler, request: Request) -> None:
+    while request.num_computed_tokens != request.num_tokens - 1 or request.num_output_tokens == 0:
+        step(sched)
+
+
+def test_drafts_are_scheduled_tokens_and_rejection_rolls_back_and_frees_blocks() -> None:
+    sched = spec_scheduler(block_size=4)
+    a = make_request("a", [1] * 6, max_tokens=20)
+    sched.add_request(a)
+    decode_until_running(sched, a)
+    assert a.num_tokens == 7 and sched.kv.get_block_ids("a").__len__() == 2
+    a.spec_token_ids = [5, 6, 7, 8]
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert (item.num_computed_tokens, item.num_new_tokens, item.samples) == (6, 5, True)
+    assert item.new_token_ids == [7, 5, 6, 7, 8] and item.draft_token_ids == [5, 6, 7, 8]
+    assert out.num_batched_tokens == 5 and len(item.block_ids) == 3  # slots for 11 tokens
+    assert a.spec_token_ids == [] and a.num_drafts_in_flight == 4
+    sched.check_integrity()
+    # One draft accepted, then the target's own token: 7 + 2 tokens, 8 computed.
+    sched.update_from_output(out, {"a": [5, 9]})
+    assert a.output_token_ids[-2:] == [5, 9] and a.num_computed_tokens == 8
+    assert sched.kv.get_block_ids("a") == item.block_ids[:2] and a.num_drafts_in_flight == 0
+    stats = sched.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens) == (1, 4)
+    assert (stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) == (1, [1, 0, 0, 0])
+    sched.check_integrity()
+    out, _ = step(sched)
+    assert out.scheduled[0].new_token_ids == [9]
+
+
+def test_drafts_respect_budget_max_tokens_and_never_preempt() -> None:
+    sched = spec_scheduler(max_num_batched_tokens=3)
+    a = make_request("a", [1] * 6, max_tokens=20)
+    sched.add_request(a)
+    decode_until_running(sched, a)
+    a.spec_token_ids = [5, 6, 7, 8]
+    (item,) = sched.schedule().scheduled
+    assert item.draft_token_ids == [5, 6]  # the budget of 3 holds the last token and two
+    # max_tokens: with 2 tokens left, one draft at most (all accepted, plus one = 2).
+    sched = spec_scheduler()
+    b = make_request("b", [1] * 6, max_tokens=3)
+    sched.add_request(b)
+    decode_until_running(sched, b)
+    assert b.num_output_tokens == 1
+    b.spec_token_ids = [5, 6, 7, 8]
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [5]
+    (done,) = sched.update_from_output(out, {"b": [5, 6]})
+    assert done.output_token_ids == [7, 5, 6] and done.finish_reason == "length"
+    # A full pool: the drafts are dropped rather than preempt the other request.
+    sched = spec_scheduler(block_size=4, num_blocks=5, max_model_len=16)
+    c, d = make_request("c", [1] * 3, max_tokens=5), make_request("d", [2] * 11, max_tokens=5)
+    sched.add_request(c)
+    sched.add_request(d)
+    decode_until_running(sched, c)
+    c.spec_token_ids = [5, 6, 7, 8]
+    out = sched.schedule()
+    assert not out.preempted_ids and out.scheduled[0].draft_token_ids == []
+    sched.check_integrity()
+
+
+def test_a_stop_among_accepted_drafts_ends_the_list() -> None:
+    sched = spec_scheduler()
+    a = make_request("a", [1] * 6, max_tokens=20)
+    sched.add_request(a)
+    decode_until_running(sched, a)
+    a.spec_token_ids = [5, EOS, 6]
+    out = sched.schedule()
+    tokens = [5, EOS, 6, 3]
+    (done,) = sched.update_from_output(out, {"a": tokens})
+    assert tokens == [5, EOS] and done.output_token_ids[-2:] == [5, EOS]
+    assert done.finish_reason == "stop"
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == 63
+
+
+def test_low_acceptance_turns_a_requests_proposals_off() -> None:
+    sched = spec_scheduler(min_acceptance_rate=0.5, acceptance_window=8)
+    a = make_request("a", [1] * 6, max_tokens=40)
+    sched.add_request(a)
+    decode_until_running(sched, a)
+    assert sched.speculating()
+    for _ in range(2):
+        a.spec_token_ids = [5, 6, 7, 8]
+        sched.update_from_output(sched.schedule(), {"a": [9]})
+    assert a.spec_disabled and not sched.speculating()
+
+
+def test_rejected_drafts_never_enter_the_prefix_cache() -> None:
+    sched = spec_scheduler(block_size=4)
+    a = make_request("a", [1] * 7, max_tokens=20)
+    sched.add_request(a)
+    decode_until_running(sched, a)  # 8 tokens, 7 computed
+    a.spec_token_ids = [5, 5, 5, 5]  # the last three would fill block 2 with 5s
+    sched.update_from_output(sched.schedule(), {"a": [5, 9]})
+    sched.check_integrity()  # checks every cached block's content against the request's tokens
+    assert sorted(key[1] for key in sched.kv.pool.cached) == [(1, 1, 1, 1), (1, 1, 1, 7)]
+
+
 # -- state machine --------------------------------------------------------------------------
 
 BLOCK_SIZE = 4
@@ -369,6 +478,9 @@ CONFIG = SchedulerConfig(
     num_blocks=16,  # 15 usable: 60 slots, so long requests preempt one another
     max_num_seqs=4,
     max_num_batched_tokens=12,
+    num_speculative_tokens=3,
+    min_acceptance_rate=0.3,
+    acceptance_window=4,
 )
 PROMPTS = st.builds(
     lambda head, tail: head + tail,
@@ -387,7 +499,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.slots: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
         self.count = 0
         self.in_flight: list[tuple[SchedulerOutput, dict[str, int]]] = []
-        self.pending: dict[str, list[int]] = {}  # request id -> launched, not landed tokens
+        self.pending: dict[str, list[list[int]]] = {}  # request id -> in-flight steps' tokens
         self.scores: dict[str, PromptScores] = {}  # of the requests that score their prompt
         self.scored_in_flight: list[dict[str, tuple[int, int]]] = []  # per launched step
 
@@ -447,9 +559,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         running_before = {r.request_id for r in self.sched.running}
         # What each request's token list will be once every launched token lands.
         future = {
-            rid: r.all_token_ids + self.pending.get(rid, [])
+            rid: r.all_token_ids + [t for tokens in self.pending.get(rid, []) for t in tokens]
             for rid, r in self.sched.requests.items()
         }
+        proposed = {}
+        for r in self.sched.running:
+            # A proposer's drafts of random length for requests whose last token is known.
+            if r.num_pending_tokens or r.spec_disabled:
+                continue
+            drafts = data.draw(st.lists(st.integers(1, 2), min_size=1, max_size=4), label="drafts")
+            r.spec_token_ids = proposed[r.request_id] = drafts
         out = self.sched.schedule()
         if out.preempted_ids:
             # No admissions in a step that preempted: the victim would just thrash back in.
@@ -471,11 +590,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if count:
                     scored[rid] = (first, count)
                     event("a chunk scores prompt tokens")
-            tokens = future[rid]
+            drafts = s.draft_token_ids
+            if drafts:
+                event("drafts scheduled")
+                assert s.samples and drafts == proposed[rid][: len(drafts)]
+                assert len(drafts) <= CONFIG.num_speculative_tokens
+                assert r.num_output_tokens + len(drafts) < r.max_tokens
+            tokens = future[rid] + drafts
             self._run_model(r, tokens, s.num_computed_tokens, s.num_new_tokens, s.block_ids)
             end = s.num_computed_tokens + s.num_new_tokens
             expected = [
-                t if pos < r.num_tokens else PENDING_TOKEN
+                t if pos < r.num_tokens or pos >= len(future[rid]) else PENDING_TOKEN
                 for pos, t in enumerate(tokens[s.num_computed_tokens : end], s.num_computed_tokens)
             ]
             assert s.new_token_ids == expected
@@ -483,9 +608,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if PENDING_TOKEN in s.new_token_ids:
                 event("a pending token scheduled")
             if s.samples:
+                # The verifier accepts a random prefix of the drafts, then adds its own token.
+                accepted = data.draw(st.integers(0, len(drafts)), label="accepted")
                 token = data.draw(st.sampled_from([EOS, 1, 2, 2]), label="token")
-                sampled[rid] = token
-                self.pending.setdefault(rid, []).append(token)
+                sampled[rid] = drafts[:accepted] + [token]
+                self.pending.setdefault(rid, []).append(list(sampled[rid]))
             if s.num_computed_tokens and r.num_output_tokens == 0:
                 event("started part-way (prefix hit or fork)")
         self.in_flight.append((out, sampled))
@@ -501,10 +628,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if first < len(self.scores[rid].entries):
                     event("a recompute scores prompt tokens again")
                 self.scores[rid].add(first, list(range(first, first + count)))
-        for rid, token in sampled.items():
+        for rid, tokens in sampled.items():
             if rid in self.pending:  # else it finished while this step was in flight
-                assert self.pending[rid].pop(0) == token
+                assert self.pending[rid].pop(0) == tokens
+        before = {s.request.request_id: s.request.num_output_tokens for s in out.scheduled}
         self._report(self.sched.update_from_output(out, sampled))
+        for s in out.scheduled:
+            r, rid = s.request, s.request.request_id
+            if not s.samples or self.sched.requests.get(rid) is not r:
+                continue
+            # Exactly the tokens the list kept were appended; a rejection left the request's
+            # blocks covering its accepted tokens only.
+            assert r.output_token_ids[before[rid] :] == sampled[rid]
+            if len(sampled[rid]) <= len(s.draft_token_ids) and r.status is RequestStatus.RUNNING:
+                event("drafts rejected")
+                assert r.num_computed_tokens == r.num_tokens - 1
+                blocks = len(self.sched.kv.get_block_ids(rid))
+                assert blocks == -(-r.num_computed_tokens // BLOCK_SIZE)
         for rid in sampled:
             if rid in self.scores and rid not in self.reported:
                 # The engine's outputs wait for this: the first token brings the last scores.
@@ -558,10 +698,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 class _FixedTokens:
-    """Stands in for st.data() while draining in teardown: every sampled token is 2."""
+    """Stands in for st.data() while draining in teardown: no drafts, every sampled token 2."""
 
-    def draw(self, strategy: object, label: str | None = None) -> int:
-        return 2
+    def draw(self, strategy: object, label: str | None = None) -> object:
+        return {"drafts": [], "accepted": 0}.get(label, 2)
 
 
 SchedulerMachine.TestCase.settings = settings(
