@@ -43,6 +43,7 @@ from compile_engine.runtime.parallel import (
 )
 from compile_engine.runtime.reasoning_parsers import reasoning_parser
 from compile_engine.runtime.scheduler import InvalidSchedulerConfig, Scheduler, SchedulerConfig
+from compile_engine.runtime.speculative import build_speculator, load_draft, share_kv_pool
 from compile_engine.runtime.structured_output import GrammarCompiler, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,10 @@ class _Start:
             self.phase("compiler_init_s", mark)
         self.wait_for_weights(storage_only=True)
         reserve, profile_cached = self._activation_reserve(loaded, cache_dir, manifest)
+        spec = config.speculative_config
+        mark = time.perf_counter()
+        draft = load_draft(spec, loaded, device, max_model_len)  # before the pool is sized
+        self.phase("draft_model_s", mark)
         mark = time.perf_counter()
         needed_tokens = max_model_len * (config.kv_pool_sequences or config.max_num_seqs)
         num_blocks = config.num_kv_blocks or default_num_blocks(
@@ -166,6 +171,8 @@ class _Start:
             num_blocks = self.workers.sizing(
                 needed_tokens, reserve, config.num_kv_blocks, num_blocks
             )
+        if draft is not None and config.num_kv_blocks is None:
+            num_blocks = share_kv_pool(num_blocks, loaded, draft, config.block_size)
         try:
             scheduler = Scheduler(
                 SchedulerConfig(
@@ -176,6 +183,9 @@ class _Start:
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     enable_prefix_caching=config.enable_prefix_caching,
                     max_waiting=config.max_waiting,
+                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                    min_acceptance_rate=spec.min_acceptance_rate if spec else 0.0,
+                    acceptance_window=spec.acceptance_window if spec else 16,
                 )
             )
         except InvalidSchedulerConfig as exc:
@@ -219,6 +229,22 @@ class _Start:
         if self.workers is not None:
             forward = self.workers.forward(compiled or loaded.model.forward)
             compute_logits = self.workers.logits(loaded.model.compute_logits)
+        speculator = None
+        if spec is not None:
+            mark = time.perf_counter()
+            eager = config.enforce_eager if spec.enforce_eager is None else spec.enforce_eager
+            speculator = build_speculator(
+                spec,
+                draft,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                device=device,
+                seed=config.seed,
+                compile_config=None
+                if eager
+                else CompileConfig(config.target, kernel=KernelConfig.coerce(config.kernel_config)),
+            )
+            self.phase("draft_model_s", mark)
         runner = ModelRunner(
             loaded,
             kv_caches,
@@ -229,6 +255,7 @@ class _Start:
             forward=forward,
             graphs=graphs,
             compute_logits=compute_logits,
+            speculator=speculator,
         )
         self.wait_for_weights()
         # Start-up leaves millions of long-lived objects (modules, Dynamo and Inductor state);

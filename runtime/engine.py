@@ -9,18 +9,18 @@ and model runner.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from compile_engine.models.loader import LoadedModel
 from compile_engine.runtime.builder import Progress, build_engine
 from compile_engine.runtime.detokenizer import IncrementalDetokenizer
 from compile_engine.runtime.engine_config import TARGETS, EngineConfig, EngineConfigError
-from compile_engine.runtime.model_runner import InFlightStep, TokenLogprobs
+from compile_engine.runtime.model_runner import InFlightStep
 from compile_engine.runtime.outputs import CompletionOutput, RequestOutput
 from compile_engine.runtime.prompt_logprobs import PromptScores
 from compile_engine.runtime.request import Request, RequestStatus
 from compile_engine.runtime.sampling_params import SamplingParams
 from compile_engine.runtime.scheduler import SchedulerStats
+from compile_engine.runtime.sequence import Group, Sequence
 
 __all__ = [
     "TARGETS",
@@ -30,36 +30,6 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
 ]
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """Engine-side state of one sibling: its scheduler request and its text."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    logprobs: list[TokenLogprobs] | None
-    delta_text: str = ""
-    delta_tokens: list[int] = field(default_factory=list)
-    finished_seen: bool = False
-
-
-@dataclass(slots=True)
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    arrival_time: float
-    prompt_scores: PromptScores | None  # sibling 0's, which alone scores the shared prompt
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
-
-    @property
-    def ready(self) -> bool:  # outputs wait for the prompt's scores (the first token brings them)
-        return self.finished or self.prompt_scores is None or self.prompt_scores.complete
 
 
 class LLMEngine:
@@ -88,8 +58,8 @@ class LLMEngine:
         self.structured = parts.structured
         eos = self.model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
-        self.groups: dict[str, _Group] = {}
-        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
+        self.groups: dict[str, Group] = {}
+        self._seq_of: dict[str, tuple[Group, Sequence]] = {}
         self._counter = 0
         self._in_flight: InFlightStep | None = None
         self._needs_history: set[str] = set()  # live groups whose sampling reads past tokens
@@ -148,7 +118,7 @@ class LLMEngine:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             logprobs = [] if params.logprobs is not None else None
-            sequences.append(_Sequence(request, detok, logprobs))
+            sequences.append(Sequence(request, detok, logprobs))
         ids = [seq.request.request_id for seq in sequences]
         if params.structured_outputs is not None:  # raises GrammarError, before anything queues
             tail = self.tokenizer.decode(token_ids[-32:]) if self.structured.reasoning else ""
@@ -164,7 +134,7 @@ class LLMEngine:
                 self.structured.remove(rid)
             raise
         scores = None if params.prompt_logprobs is None else PromptScores(len(token_ids))
-        group = _Group(request_id, text, token_ids, sequences, now, scores)
+        group = Group(request_id, text, token_ids, sequences, now, scores)
         self.groups[request_id] = group
         if params.needs_output_history:
             self._needs_history.add(request_id)
@@ -204,6 +174,7 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not self._overlap():
             outputs, previous = self._process(previous), None
+        self.runner.propose(self.scheduler.running)  # drafts need the last tokens on the host
         step = self.scheduler.schedule()
         launched = None
         if step.scheduled:
@@ -224,32 +195,32 @@ class LLMEngine:
         return outputs
 
     def _overlap(self) -> bool:
-        return self.config.async_scheduling and not self._needs_history
+        # Penalties and proposals read each request's last tokens on the host.
+        history = self._needs_history or self.scheduler.speculating()
+        return self.config.async_scheduling and not history
 
     def _process(self, flight: InFlightStep) -> list[RequestOutput]:
         """Deliver a launched step's tokens: scheduler update, stop strings, text."""
         step = flight.step
         result = self.runner.collect(flight)
         self.scheduler.update_from_output(step, result.sampled)
-        changed: dict[str, _Group] = {}
+        changed: dict[str, Group] = {}
         for rid, (first, scores) in result.prompt_logprobs.items():
             if (entry := self._seq_of.get(rid)) is not None:
                 entry[0].prompt_scores.add(first, scores)
-        for rid, token in result.sampled.items():
+        for rid, tokens in result.sampled.items():
             entry = self._seq_of.get(rid)
             if entry is None or entry[1].finished_seen:  # a step launched before it finished
                 continue
             group, seq = entry
             changed[group.request_id] = group
-            seq.delta_tokens.append(token)
-            if seq.logprobs is not None and rid in result.logprobs:
-                seq.logprobs.append(result.logprobs[rid])
-            if seq.detokenizer is not None:
-                seq.delta_text += seq.detokenizer.update([token])
-                if seq.detokenizer.stopped and not seq.request.is_finished:
-                    self.scheduler.finish_requests(
-                        rid, RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
-                    )
+            dropped = seq.deliver(tokens, result.logprobs.get(rid))
+            if dropped is not None:  # a stop string
+                stop, reason = RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
+                if not seq.request.is_finished:
+                    self.scheduler.finish_requests(rid, stop, reason)
+                elif dropped:  # finished by the scheduler at an accepted draft after it
+                    seq.request.status, seq.request.stop_reason = stop, reason
             if rid in self.structured.states and not seq.request.is_finished:
                 text = seq.detokenizer.text if seq.detokenizer is not None else ""
                 if self.structured.advance(seq.request, text):  # the grammar is complete
@@ -261,7 +232,7 @@ class LLMEngine:
                 changed[entry[0].request_id] = entry[0]
         return [self._emit(group) for group in changed.values() if group.ready]
 
-    def _emit(self, group: _Group) -> RequestOutput:
+    def _emit(self, group: Group) -> RequestOutput:
         outputs = []
         for i, seq in enumerate(group.sequences):
             request = seq.request

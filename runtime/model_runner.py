@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from compile_engine.compiler.cuda_graphs import CUDAGraphRunner
 from compile_engine.models.layers import AttentionMetadata
 from compile_engine.models.loader import LoadedModel
 from compile_engine.runtime.prompt_logprobs import scored_span
+from compile_engine.runtime.rejection_sampler import rejection_sample
 from compile_engine.runtime.sampler import (
     Sampler,
     SamplerOutput,
@@ -27,6 +29,9 @@ from compile_engine.runtime.sampler import (
     prompt_token_logprobs,
 )
 from compile_engine.runtime.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:  # the speculator builds a ModelRunner for a draft model
+    from compile_engine.runtime.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +67,23 @@ class PromptRows:
 
 
 @dataclass(slots=True)
+class SpecRows:
+    """The sampling rows of a step whose rows verify drafts (runtime/rejection_sampler.py):
+    each sampling request has 1 + its drafts logits rows, its last tokens."""
+
+    counts: list[int]  # [S] logits rows per sampling request
+    draft_ids: np.ndarray  # [R] the draft each row verifies; -1 on a request's last row
+
+
+@dataclass(slots=True)
 class PreparedInputs:
     input_ids: torch.Tensor  # [T] host; PENDING_TOKEN where the value is on the device
     positions: torch.Tensor  # [T] host
     meta: AttentionMetadata  # host tensors
-    sample_rows: np.ndarray  # [S] the token row of each sampling request
+    sample_rows: np.ndarray  # [S] the token row of each sampling request ([R] with drafts)
     pending: list[tuple[int, str]]  # (token row, request id) of each pending token
     prompt_rows: PromptRows | None  # None when no request scores its prompt in this step
+    spec: SpecRows | None = None  # None when no row verifies drafts
 
 
 @dataclass(slots=True)
@@ -83,6 +98,7 @@ class InFlightStep:
     prompt_rows: PromptRows | None = None
     prompt_host: list[torch.Tensor] | None = None  # their logprobs, ranks, top ids, top values
     logits: torch.Tensor | None = None  # [S, V] while sampling waits (launch's defer_sampling)
+    spec: SpecRows | None = None  # the rows verifying drafts; host then holds their results
 
 
 def _prompt_rows(scheduled: list[ScheduledRequest], starts: np.ndarray) -> PromptRows | None:
@@ -156,8 +172,10 @@ class StepCounters:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, int]  # request id -> new token, for requests that sampled
-    logprobs: dict[str, TokenLogprobs]  # for those that asked
+    # request id -> its new tokens, for requests that sampled: one, or with drafts the accepted
+    # ones and then the target's own
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]  # for those that asked, one per token
     # request id -> (first prompt token scored, its scores onwards), for those that asked
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
@@ -244,12 +262,14 @@ class ModelRunner:
         forward: Callable | None = None,
         graphs: CUDAGraphRunner | None = None,
         compute_logits: Callable | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """kv_caches: `allocate_kv_caches`'s, of num_blocks blocks. forward: what runs a step,
         with the model's signature (the compiled forward; None: the eager model). graphs: the
         CUDA graphs of that forward, replayed for the steps they fit (None: none).
         compute_logits: hidden rows -> logits (None: the model's; under tensor parallelism
-        the one that has every rank score its part of the vocabulary)."""
+        the one that has every rank score its part of the vocabulary).
+        speculator: the proposer of draft tokens (runtime/speculative.py; None: none)."""
         self.model = loaded.model
         self.config = loaded.config
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
@@ -263,11 +283,19 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = list(loaded.config.eos_token_ids)
         self.counters = StepCounters()
+        self.speculator = speculator
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
-    def _generator(self, request) -> torch.Generator | None:
+    def propose(self, running: list) -> None:
+        """Leave draft tokens on the running requests that take them (no speculator: none)."""
+        if self.speculator is not None:
+            self.speculator.propose(running)
+
+    def generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None:
             return None
@@ -300,9 +328,19 @@ class ModelRunner:
         ids = np.fromiter(
             (t for it in scheduled for t in it.new_token_ids), np.int64, int(starts[-1])
         )
-        sample_rows = np.fromiter(
-            (starts[i + 1] - 1 for i, it in enumerate(scheduled) if it.samples), np.int64
-        )
+        spec = _spec_rows(scheduled)
+        if spec is not None:
+            sample_rows = np.concatenate(
+                [
+                    np.arange(starts[i + 1] - len(it.draft_token_ids) - 1, starts[i + 1])
+                    for i, it in enumerate(scheduled)
+                    if it.samples
+                ]
+            )
+        else:
+            sample_rows = np.fromiter(
+                (starts[i + 1] - 1 for i, it in enumerate(scheduled) if it.samples), np.int64
+            )
         # A pending token is only ever the last of its request's chunk (the one before it was
         # computed by the step that sampled it).
         pending = [
@@ -324,7 +362,19 @@ class ModelRunner:
             sample_rows,
             pending,
             _prompt_rows(scheduled, starts),
+            spec,
         )
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, step: SchedulerOutput, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run a step and return the logits of its sampling rows [S, V], sampling nothing: a
+        draft model's use. `input_ids` [T] on the device replaces the step's token ids."""
+        inputs = self.prepare(step)
+        ids = inputs.input_ids.to(self.device) if input_ids is None else input_ids
+        hidden = self._run_model(ids, inputs.positions, inputs.meta)
+        return self._logits(hidden, inputs.sample_rows)
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -394,6 +444,7 @@ class ModelRunner:
         if not sampling and inputs.prompt_rows is None:
             return InFlightStep(step, [], None, None, None)
         flight = InFlightStep(step, sampling, None, None, None, inputs.prompt_rows)
+        flight.spec = inputs.spec
         if sampling:
             flight.logits = self._logits(hidden, inputs.sample_rows)
             if not defer_sampling:
@@ -413,6 +464,9 @@ class ModelRunner:
         flight.done = self._record()
 
     def _sample_into(self, flight: InFlightStep, token_bitmask: torch.Tensor | None) -> None:
+        if flight.spec is not None:
+            self._verify_into(flight, token_bitmask)
+            return
         out = self._sample(flight.logits, flight.sampling, token_bitmask)
         flight.logits = None
         flight.token_ids, flight.host = out.token_ids, [out.token_ids.to("cpu", non_blocking=True)]
@@ -421,6 +475,64 @@ class ModelRunner:
                 t.to("cpu", non_blocking=True)
                 for t in (out.logprobs, out.top_logprob_ids, out.top_logprobs)
             ]
+
+    def _verify_into(self, flight: InFlightStep, token_bitmask: torch.Tensor | None) -> None:
+        """Verify a step's drafts: one SamplingBatch row a logits row, each with its
+        request's parameters and the history it would have if the drafts before it are
+        accepted (penalties, min_tokens), then rejection sampling."""
+        spec, sampling = flight.spec, flight.sampling
+        drafts = spec.draft_ids.tolist()
+        params, prompts, outputs, generators, num_outputs = [], [], [], [], []
+        draft_probs: list[tuple[int, torch.Tensor]] = []
+        first = 0
+        for request, count in zip(sampling, spec.counts, strict=True):
+            own = drafts[first : first + count - 1]
+            history = request.sampling_params.needs_output_history
+            base = request.num_output_tokens + request.num_pending_tokens - 1
+            generator = self.generator(request)
+            for j in range(count):
+                params.append(request.sampling_params)
+                prompts.append(request.prompt_token_ids)
+                outputs.append(request.output_token_ids + own[:j] if history else [])
+                generators.append(generator)
+                num_outputs.append(base + j)
+            if count > 1 and not request.sampling_params.greedy:
+                q = self.speculator.draft_probs(request.request_id, count - 1)
+                if q is not None:
+                    draft_probs.append((first, q))
+                elif self.speculator.needs_draft_probs:
+                    raise RuntimeError(
+                        f"request {request.request_id!r} has sampled drafts without their "
+                        "draft distribution"
+                    )
+            first += count
+        logits = flight.logits
+        if token_bitmask is not None:  # one mask a request: each of its rows gets it
+            token_bitmask = token_bitmask.repeat_interleave(torch.tensor(spec.counts), dim=0)
+        batch = SamplingBatch.build(
+            params,
+            prompts,
+            outputs,
+            generators,
+            vocab_size=logits.shape[-1],
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+            num_output_tokens=num_outputs,
+            token_bitmask=token_bitmask,
+        )
+        q = None
+        if draft_probs:
+            q = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
+            for row, probs in draft_probs:
+                q[row : row + probs.shape[0]] = probs
+        draft_ids = torch.from_numpy(spec.draft_ids).to(self.device, non_blocking=True)
+        out = rejection_sample(logits, batch, draft_ids, spec.counts, q, self.sampler)
+        flight.logits = None
+        flight.token_ids = out.last_token_ids
+        tensors = [out.token_ids, out.num_accepted]
+        if out.logprobs is not None:
+            tensors += [out.logprobs, out.top_logprob_ids, out.top_logprobs]
+        flight.host = [t.to("cpu", non_blocking=True) for t in tensors]
 
     def _record(self) -> torch.cuda.Event | None:
         """An event after the step's copies to the host (None on CPU, where they are done)."""
@@ -443,7 +555,7 @@ class ModelRunner:
             [r.sampling_params for r in sampling],
             [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling],
-            [self._generator(r) for r in sampling],
+            [self.generator(r) for r in sampling],
             vocab_size=logits.shape[-1],
             device=self.device,
             eos_token_ids=self.eos_token_ids,
@@ -475,19 +587,10 @@ class ModelRunner:
             waited = time.perf_counter()
             flight.done.synchronize()
             self.counters.device_wait_s += time.perf_counter() - waited
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
-        if flight.sampling:
-            tokens = flight.host[0].tolist()
-            sampled = {r.request_id: t for r, t in zip(flight.sampling, tokens, strict=True)}
-        if flight.sampling and len(flight.host) > 1:
-            chosen, top_ids, top_vals = (t.tolist() for t in flight.host[1:])
-            for i, r in enumerate(flight.sampling):
-                k = r.sampling_params.logprobs
-                if k is None:
-                    continue
-                top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
-                logprobs[r.request_id] = TokenLogprobs(tokens[i], chosen[i], top)
+        if flight.spec is not None:
+            sampled, logprobs = _verified(flight)
+        else:
+            sampled, logprobs = _sampled(flight)
         prompt = {}
         if flight.prompt_rows is not None:
             prompt = _prompt_entries(flight.prompt_rows, flight.prompt_host)
@@ -496,3 +599,54 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step synchronously (launch, then collect)."""
         return self.collect(self.launch(step))
+
+
+def _spec_rows(scheduled: list[ScheduledRequest]) -> SpecRows | None:
+    if not any(it.draft_token_ids for it in scheduled):
+        return None
+    counts, draft_ids = [], []
+    for it in scheduled:
+        if it.samples:
+            counts.append(len(it.draft_token_ids) + 1)
+            draft_ids += [*it.draft_token_ids, -1]
+    return SpecRows(counts, np.asarray(draft_ids, dtype=np.int64))
+
+
+def _sampled(flight: InFlightStep) -> tuple[dict, dict]:
+    """One token a sampling request (and its logprobs, if asked)."""
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    if flight.sampling:
+        tokens = flight.host[0].tolist()
+        sampled = {r.request_id: [t] for r, t in zip(flight.sampling, tokens, strict=True)}
+    if flight.sampling and len(flight.host) > 1:
+        chosen, top_ids, top_vals = (t.tolist() for t in flight.host[1:])
+        for i, r in enumerate(flight.sampling):
+            k = r.sampling_params.logprobs
+            if k is None:
+                continue
+            top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
+            logprobs[r.request_id] = [TokenLogprobs(tokens[i], chosen[i], top)]
+    return sampled, logprobs
+
+
+def _verified(flight: InFlightStep) -> tuple[dict, dict]:
+    """A verifying step's tokens: each request's accepted drafts and the token after them,
+    with each one's own logprobs (its row's), if asked."""
+    tokens, accepted = (t.tolist() for t in flight.host[:2])
+    scores = [t.tolist() for t in flight.host[2:]]
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    first = 0
+    for request, count, n in zip(flight.sampling, flight.spec.counts, accepted, strict=True):
+        sampled[request.request_id] = tokens[first : first + n + 1]
+        k = request.sampling_params.logprobs
+        if scores and k is not None:
+            chosen, top_ids, top_vals = scores
+            entries = []
+            for r in range(first, first + n + 1):
+                top = list(zip(top_ids[r][:k], top_vals[r][:k], strict=True))
+                entries.append(TokenLogprobs(tokens[r], chosen[r], top))
+            logprobs[request.request_id] = entries
+        first += count
+    return sampled, logprobs

@@ -224,21 +224,33 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Steps 2-9 on a float32 copy, which it modifies in place."""
+        greedy_ids, probs = self.distribution(logits, batch)
+        if probs is None:
+            return greedy_ids
+        sampled_ids = exponential_race(probs, batch)
+        return torch.where(batch.greedy, greedy_ids, sampled_ids)
+
+    @staticmethod
+    def distribution(
+        logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 2-8 on float32 logits, which it modifies in place: each row's greedy token
+        [S] (after penalties and min_tokens) and, unless every row is greedy, the
+        distribution its sampled token is drawn from [S, V] (rows of greedy requests are
+        meaningless). Speculative verification accepts drafts against exactly these."""
         apply_penalties(logits, batch)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
         greedy_ids = greedy_argmax(logits)
         if batch.all_greedy:
-            return greedy_ids
-
+            return greedy_ids, None
         logits.div_(batch.temperature)
         if batch.top_k is not None or batch.top_p is not None:
             apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
         if batch.min_p is not None:
             apply_min_p(probs, batch.min_p)
-        sampled_ids = _exponential_race(probs, batch)
-        return torch.where(batch.greedy, greedy_ids, sampled_ids)
+        return greedy_ids, probs
 
     @staticmethod
     def _with_logprobs(
@@ -310,8 +322,9 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
     probs.masked_fill_(probs < threshold, 0.0)
 
 
-def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Sample one token per row; argmax(p / E) needs no renormalisation after min-p."""
+def exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample one token per row; argmax(p / E) needs no renormalisation after min-p (nor of
+    a rejection sampler's residual)."""
     noise = torch.empty_like(probs)
     if batch.any_unseeded:
         noise.exponential_()

@@ -1,0 +1,384 @@
+"""Speculative decoding's proposers: who guesses a request's next tokens before the target
+verifies them (runtime/rejection_sampler.py) in one forward of 1 + k tokens a row.
+
+`Speculator` is what the engine and runner see: before each step it leaves drafts in
+`Request.spec_token_ids` for the running requests that may take them (the scheduler then fits
+them into the step), gives the runner the draft distribution of each draft it made, and forgets
+a request when it ends. A request gets no drafts while its last token is not on the host (its
+step in flight), under a grammar (the mask would be needed at every verified position; such
+requests decode one token a step), once its acceptance fell below `min_acceptance_rate` (the
+scheduler judges that, `Request.spec_disabled`), or when max_tokens leaves no room.
+
+- `NgramProposer` (prompt lookup): the continuation of the most recent earlier occurrence of
+  the request's last n tokens in its prompt and output, the longest n first. Host only.
+- `DraftModelProposer`: a smaller model with the same vocabulary, with its own KV cache (its
+  own block tables over its own pool, no prefix caching) and its own `ModelRunner`. Each step it
+  catches up on the tokens it has not seen (the prompt at first, then what the last
+  verification accepted), then runs k - 1 one-token steps; greedy requests take its argmax
+  (a point mass), sampled ones draw from its distribution q with their own parameters, which
+  the verifier needs (min(1, p / q)). The drafts come to the host once, after the k forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compile_engine.compiler.compiled_model import CompiledForward
+from compile_engine.compiler.config import CompileConfig
+from compile_engine.models.loader import LoadedModel, load_model
+from compile_engine.runtime.engine_config import EngineConfigError
+from compile_engine.runtime.kv_cache_manager import KVCacheManager
+from compile_engine.runtime.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from compile_engine.runtime.request import Request
+from compile_engine.runtime.sampler import Sampler, SamplingBatch, exponential_race
+from compile_engine.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from compile_engine.runtime.speculative_config import SpeculativeConfig
+
+# Mixed into a seeded request's seed for its draft generator, so that the draft's draws are not
+# the same stream as the target's acceptance tests.
+_DRAFT_SEED_SALT = 0x5EED5EED
+
+
+class NgramProposer:
+    """Prompt lookup over each request's tokens, kept as a growing numpy array per request so
+    that a step converts only its new tokens."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # id -> (buffer, length)
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        tokens = self._array(request)
+        return ngram_lookup(tokens, self.min_n, self.max_n, k)
+
+    def _array(self, request: Request) -> np.ndarray:
+        buffer, length = self._tokens.get(request.request_id, (np.empty(0, np.int64), 0))
+        n = request.num_tokens
+        if n > len(buffer):
+            grown = np.empty(max(2 * len(buffer), n, 64), np.int64)
+            grown[:length] = buffer[:length]
+            buffer = grown
+        buffer[length:n] = request.all_token_ids[length:n]
+        self._tokens[request.request_id] = (buffer, n)
+        return buffer[:n]
+
+    def release(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens,
+    for the largest n in [min_n, max_n] that occurs; [] when none does."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # Windows starting at i <= length - 1 - n: each has a token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+@dataclass(slots=True, eq=False)
+class _DraftSequence:
+    """The draft model's view of one request, in the shape KVCacheManager keeps tables for."""
+
+    request_id: str
+    num_computed_tokens: int = 0  # positions whose draft KV holds the request's real tokens
+    cache_salt: None = None
+    all_token_ids: list[int] = field(default_factory=list)  # unused: no prefix caching
+    proposed_from: int = 0  # num_tokens when it last proposed
+    drafts: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        """loaded: the draft model; runner: a ModelRunner over it and its own KV caches of
+        num_blocks blocks (`allocate_kv_caches`)."""
+        self.loaded = loaded
+        self.runner = runner
+        self.device = device
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.sequences: dict[str, _DraftSequence] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # id -> [k, V] q of its drafts
+
+    def release(self, request_id: str) -> None:
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is not None:
+            self.kv.free(sequence)
+        self.generators.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Drafts for each (request, k) whose draft KV slots can be had."""
+        self.draft_probs = {}
+        rows: list[tuple[Request, _DraftSequence, int]] = []
+        for request, k in wanted:
+            sequence = self._catch_up_point(request)
+            needed = request.num_tokens + k - 1 - sequence.num_computed_tokens
+            if self.kv.allocate_slots(sequence, needed):
+                rows.append((request, sequence, k))
+        if not rows:
+            return {}
+        # Round 0: every token the draft has not computed, sampling after the last one.
+        step = [
+            self._scheduled(
+                request,
+                sequence,
+                sequence.num_computed_tokens,
+                request.all_token_ids[sequence.num_computed_tokens :],
+            )
+            for request, sequence, _ in rows
+        ]
+        logits = self.runner.forward_logits(SchedulerOutput(step, 0, []))
+        tokens, probs = self._choose(logits, [r for r, _, _ in rows])
+        columns, q_columns = [tokens], [probs]
+        live = list(range(len(rows)))
+        for j in range(1, max(k for _, _, k in rows)):
+            # Rounds 1..k-1: the previous draft at position num_tokens - 1 + j.
+            keep = [i for i in live if rows[i][2] > j]
+            index = torch.tensor([live.index(i) for i in keep], device=self.device)
+            previous = columns[-1][index]
+            live = keep
+            step = [
+                self._scheduled(rows[i][0], rows[i][1], rows[i][0].num_tokens - 1 + j, [0])
+                for i in live
+            ]
+            logits = self.runner.forward_logits(SchedulerOutput(step, 0, []), previous)
+            tokens, probs = self._choose(logits, [rows[i][0] for i in live])
+            columns.append(tokens)
+            q_columns.append(probs)
+        return self._collect(rows, columns, q_columns)
+
+    def _catch_up_point(self, request: Request) -> _DraftSequence:
+        """The request's draft sequence, its computed count cut back to the drafts of its last
+        proposal that the request's tokens confirm (never past its last token, which the
+        draft must feed to get logits)."""
+        sequence = self.sequences.get(request.request_id)
+        if sequence is None:
+            sequence = self.sequences[request.request_id] = _DraftSequence(request.request_id)
+            return sequence
+        # Position start + m holds draft m (all but the last were fed back).
+        tokens, start, matched = request.all_token_ids, sequence.proposed_from, 0
+        for draft in sequence.drafts[:-1]:
+            if start + matched >= len(tokens) or tokens[start + matched] != draft:
+                break
+            matched += 1
+        valid = min(sequence.num_computed_tokens, start + matched)
+        sequence.num_computed_tokens = min(valid, request.num_tokens - 1)
+        return sequence
+
+    def _scheduled(
+        self, request: Request, sequence: _DraftSequence, start: int, token_ids: list[int]
+    ) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=start,
+            num_new_tokens=len(token_ids),
+            block_ids=self.kv.get_block_ids(sequence.request_id),
+            samples=True,
+            new_token_ids=list(token_ids),
+        )
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((seed + request.sibling_index) ^ _DRAFT_SEED_SALT)
+            self.generators[request.request_id] = generator
+        return generator
+
+    def _choose(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's draft token [B] and, unless all are greedy, q [B, V] it was drawn from:
+        the request's own sampling parameters on the draft's logits."""
+        batch = SamplingBatch.build(
+            [r.sampling_params for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            [self._generator(r) for r in requests],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        greedy_ids, probs = self.sampler.distribution(logits.float(), batch)
+        if probs is None:
+            return greedy_ids, None
+        return torch.where(batch.greedy, greedy_ids, exponential_race(probs, batch)), probs
+
+    def _collect(
+        self,
+        rows: list[tuple[Request, _DraftSequence, int]],
+        columns: list[torch.Tensor],
+        q_columns: list[torch.Tensor | None],
+    ) -> dict[str, list[int]]:
+        """Bring the drafts to the host (the proposer's one sync) and record what each
+        sequence computed."""
+        host = [c.tolist() for c in columns]
+        # Column j holds the rows still drafting at round j, in row order.
+        drafted: dict[str, list[int]] = {}
+        where: dict[str, list[tuple[int, int]]] = {}
+        for j, column in enumerate(host):
+            live = [i for i, (_, _, k) in enumerate(rows) if k > j]
+            for position, i in enumerate(live):
+                rid = rows[i][0].request_id
+                drafted.setdefault(rid, []).append(column[position])
+                where.setdefault(rid, []).append((j, position))
+        for request, sequence, k in rows:
+            rid = request.request_id
+            sequence.proposed_from = request.num_tokens
+            sequence.num_computed_tokens = request.num_tokens + k - 1
+            sequence.drafts = drafted[rid]
+            if not request.sampling_params.greedy:
+                self.draft_probs[rid] = torch.stack([q_columns[j][p] for j, p in where[rid]])
+        return drafted
+
+
+class Speculator:
+    """The engine's speculative decoding: a proposer and the policy of who gets drafts."""
+
+    def __init__(
+        self, config: SpeculativeConfig, proposer: NgramProposer | DraftModelProposer
+    ) -> None:
+        self.config = config
+        self.proposer = proposer
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def propose(self, running: list[Request]) -> None:
+        """Leave drafts in `spec_token_ids` of the running requests that may take them this
+        step (and clear everyone else's)."""
+        for request in running:
+            request.spec_token_ids = []
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return
+        wanted = []
+        for request in running:
+            room = min(
+                self.config.num_speculative_tokens,
+                request.max_tokens - request.num_output_tokens - 1,
+            )
+            if room > 0 and self._eligible(request):
+                wanted.append((request, room))
+        if not wanted:
+            return
+        proposer = self.proposer
+        if isinstance(proposer, NgramProposer):
+            for request, k in wanted:
+                request.spec_token_ids = proposer.propose(request, k)
+        else:
+            drafted = proposer.propose(wanted)
+            for request, _ in wanted:
+                request.spec_token_ids = drafted.get(request.request_id, [])
+
+    @staticmethod
+    def _eligible(request: Request) -> bool:
+        return (
+            not request.spec_disabled
+            and not request.num_pending_tokens
+            and not request.num_drafts_in_flight
+            and request.num_computed_tokens == request.num_tokens - 1
+            and request.sampling_params.structured_outputs is None
+        )
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        """Whether a sampled request's drafts come with a distribution q (a draft model's)."""
+        return isinstance(self.proposer, DraftModelProposer)
+
+    def draft_probs(self, request_id: str, n: int) -> torch.Tensor | None:
+        """q of the request's first n drafts [n, V], or None for a point mass (n-gram, or a
+        greedy request's draft argmax)."""
+        if isinstance(self.proposer, NgramProposer):
+            return None
+        probs = self.proposer.draft_probs.get(request_id)
+        return None if probs is None else probs[:n]
+
+    def release(self, request_id: str) -> None:
+        self.proposer.release(request_id)
+
+
+def load_draft(
+    config: SpeculativeConfig | None, target: LoadedModel, device: torch.device, max_model_len: int
+) -> LoadedModel | None:
+    """The draft model of a draft_model config, in the target's dtype, checked against the
+    target's vocabulary (None for other methods)."""
+    if config is None or config.method != "draft_model":
+        return None
+    draft = load_model(config.model, dtype=target.dtype, device=device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise EngineConfigError(
+            f"speculative_config: the draft model {config.model} has a vocabulary of "
+            f"{draft.config.vocab_size} tokens, the target {target.config.vocab_size}; a draft "
+            "must share the target's tokenizer"
+        )
+    if draft.config.max_position_embeddings < max_model_len:
+        raise EngineConfigError(
+            f"speculative_config: the draft model {config.model} supports "
+            f"{draft.config.max_position_embeddings} positions, fewer than max_model_len="
+            f"{max_model_len}; lower max_model_len"
+        )
+    return draft
+
+
+def share_kv_pool(num_blocks: int, target: LoadedModel, draft: LoadedModel, block_size: int) -> int:
+    """The target's share of a KV budget sized for it alone, when the draft's cache takes the
+    same number of blocks beside it."""
+    mine, theirs = kv_bytes_per_block(target, block_size), kv_bytes_per_block(draft, block_size)
+    return max(2, num_blocks * mine // (mine + theirs))
+
+
+def build_speculator(
+    config: SpeculativeConfig,
+    draft: LoadedModel | None,
+    *,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    seed: int,
+    compile_config: CompileConfig | None,
+) -> Speculator:
+    """The engine's speculator; a draft model gets a KV cache of num_blocks blocks (the
+    target's count) and runs compiled with `compile_config` (None: eagerly), without CUDA
+    graphs."""
+    if config.method == "ngram":
+        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    kv_caches = allocate_kv_caches(draft, num_blocks, block_size, device)
+    forward = None
+    if compile_config is not None:
+        forward = CompiledForward(draft.model, compile_config, draft.dtype)
+        forward.capture(kv_caches)
+    runner = ModelRunner(
+        draft,
+        kv_caches,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        device=device,
+        seed=seed,
+        forward=forward,
+    )
+    proposer = DraftModelProposer(
+        draft, runner, num_blocks=num_blocks, block_size=block_size, device=device
+    )
+    return Speculator(config, proposer)
