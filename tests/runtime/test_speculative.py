@@ -1,0 +1,372 @@
+"""Speculative decoding (#33): the config, the n-gram lookup, the rejection sampler's output
+distribution against the target's (and a wrong rule failing the same check), and the engine:
+greedy tokens with n-gram and draft-model speculation equal HF's for every tiny architecture,
+under preemption, with max_tokens exact when every draft is accepted, n > 1, penalties,
+min_tokens, logprobs and seeds. SmolLM2 (slow): chat prompts, stop strings and a JSON schema
+beside speculating rows."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from compile_engine import LLM, SamplingParams
+from compile_engine.runtime.engine_args import add_engine_options, engine_kwargs
+from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
+from compile_engine.runtime.rejection_sampler import rejection_sample
+from compile_engine.runtime.sampler import SamplingBatch
+from compile_engine.runtime.speculative import ngram_lookup
+
+from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
+from tiny_deepseek import make_tiny_deepseek
+from tiny_models import TINY_ARCHS, make_tiny_model
+from tiny_moe import make_tiny_moe
+
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+# Tests keep every request speculating (the acceptance cut-off has its own scheduler test).
+ALWAYS = dict(min_acceptance_rate=0.0)
+
+
+def eager(directory, **settings) -> LLM:
+    return LLM(str(directory), dtype="float32", target="cpu", enforce_eager=True, **settings)
+
+
+def spec_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Mixed lengths, and repetitive ones that n-gram lookup finds matches in."""
+    rng = np.random.default_rng(seed)
+    loops = [list(rng.integers(3, vocab, size=n)) * r for n, r in ((3, 4), (5, 3), (2, 6))]
+    return mixed_prompts(vocab, seed)[:5] + [[int(t) for t in loop] for loop in loops]
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_config_is_validated_with_vllms_names():
+    config = EngineConfig(
+        "x", target="cpu", speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'
+    )
+    spec = config.speculative_config
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)  # vLLM's default
+    one = EngineConfig(
+        "x", target="cpu", speculative_config=dict(NGRAM, prompt_lookup_min=None)
+    ).speculative_config
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
+    for method in ("eagle3", "mtp"):
+        with pytest.raises(EngineConfigError, match=f"method='{method}' is not implemented yet"):
+            EngineConfig(
+                "x",
+                target="cpu",
+                speculative_config={"method": method, "num_speculative_tokens": 2},
+            )
+    bad = [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "not supported"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+        (dict(NGRAM, prompt_lookup_min=4), "exceeds prompt_lookup_max"),
+        (dict(NGRAM, typo=1), "unknown setting"),
+        ("{not json", "not valid JSON"),
+    ]
+    for value, message in bad:
+        with pytest.raises(EngineConfigError, match=message):
+            EngineConfig("x", target="cpu", speculative_config=value)
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )
+    assert EngineConfig("x", **engine_kwargs(args)).speculative_config.num_speculative_tokens == 2
+
+
+def test_ngram_lookup_takes_the_most_recent_longest_match():
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3])
+    # The last 2 tokens (2, 3) occur at 1 and 5: the most recent continues 7, 5, 2.
+    assert ngram_lookup(tokens, 1, 2, 3) == [7, 5, 2]
+    # With n = 3 allowed, (5, 2, 3) does not occur earlier; n = 2 still does.
+    assert ngram_lookup(tokens, 2, 3, 2) == [7, 5]
+    assert ngram_lookup(tokens, 3, 3, 2) == []
+    assert ngram_lookup(np.array([4, 4]), 1, 3, 4) == [4]  # a continuation may reach the end
+    assert ngram_lookup(np.array([4]), 1, 3, 4) == []
+
+
+# -- the rejection sampler's distribution -----------------------------------------------------
+
+V = 6
+DRAWS = 60_000
+
+
+def _verify(target: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seed: int = 0):
+    """Emitted tokens of DRAWS identical requests whose rows have logits `target` [1 + k, V]
+    and the given drafts (a point mass, or drawn from q [k, V] by the caller per request)."""
+    torch.manual_seed(seed)
+    rows = target.shape[0]
+    params = [SamplingParams(temperature=1.0)] * (DRAWS * rows)
+    batch = SamplingBatch.build(
+        params, [[1]] * len(params), [[]] * len(params), [None] * len(params), V, "cpu"
+    )
+    draft_ids = torch.tensor(drafts + [-1]).repeat(DRAWS)
+    draft_probs = None
+    if q is not None:
+        draft_probs = torch.cat([q, torch.zeros(1, V)]).repeat(DRAWS, 1)
+    logits = target.repeat(DRAWS, 1)
+    out = rejection_sample(logits, batch, draft_ids, [rows] * DRAWS, draft_probs)
+    first = out.token_ids.view(DRAWS, rows)[:, 0]
+    return first, out.num_accepted, out.token_ids.view(DRAWS, rows)
+
+
+def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=V).double()
+    return 0.5 * (counts / counts.sum() - p.double()).abs().sum().item()
+
+
+TARGET = torch.tensor(
+    [[1.2, 0.3, -0.5, 0.9, -1.0, 0.1], [0.0, 1.5, 0.2, -0.3, 0.8, -2.0]], dtype=torch.float32
+)
+P = TARGET.softmax(-1)
+# Noise of a TV estimate over 60k draws of 6 outcomes: ~0.005; a biased rule is off by > 0.1.
+TV_BOUND = 0.012
+
+
+def test_point_mass_drafts_keep_the_target_distribution():
+    draft = 3  # p(3) = 0.24: rejected three times in four
+    first, accepted, tokens = _verify(TARGET, [draft], None)
+    assert _tv(first, P[0]) < TV_BOUND
+    assert abs(accepted.float().mean().item() - P[0, draft].item()) < 0.01
+    # After an accepted draft the bonus token comes from the next row's distribution.
+    assert _tv(tokens[accepted == 1, 1], P[1]) < TV_BOUND
+
+
+def test_sampled_drafts_keep_the_target_distribution():
+    q = torch.tensor([[0.05, 0.05, 0.4, 0.3, 0.1, 0.1]])
+    gen = torch.Generator().manual_seed(1)
+    # Each request's draft drawn from q: run one batch per draft token, as many as q says.
+    counts = torch.bincount(torch.multinomial(q[0], DRAWS, True, generator=gen), minlength=V)
+    firsts = []
+    for d in range(V):
+        first, _, _ = _verify(TARGET, [d], q, seed=d)
+        firsts.append(first[: counts[d]])
+    assert _tv(torch.cat(firsts), P[0]) < TV_BOUND
+
+
+def test_a_biased_rule_fails_the_same_bound():
+    """The check has power: accepting with probability p(d) but redrawing from p itself
+    (not p with d removed) over-weights the draft and fails the bound."""
+    gen = torch.Generator().manual_seed(2)
+    draft = 3
+    accept = torch.rand(DRAWS, generator=gen) < P[0, draft]
+    redraw = torch.multinomial(P[0], DRAWS, True, generator=gen)
+    biased = torch.where(accept, torch.tensor(draft), redraw)
+    assert _tv(biased, P[0]) > 5 * TV_BOUND
+
+
+# -- the engine: greedy tokens as HF's --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A tiny Llama of another seed: the same vocabulary (96), drafts mostly rejected."""
+    directory = tmp_path_factory.mktemp("draft")
+    make_tiny_model("llama", directory, seed=7)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    return directory, make_tiny_model("llama", directory)
+
+
+def _hf(hf_model, prompts, n: int = NEW_TOKENS) -> list[list[int]]:
+    return [hf_greedy(hf_model, prompt, n) for prompt in prompts]
+
+
+def _assert_greedy_as_hf(llm: LLM, prompts, want: list[list[int]], params=GREEDY) -> None:
+    outs = llm.generate(prompts, params)
+    for prompt, out, tokens in zip(prompts, outs, want, strict=True):
+        assert all(o.token_ids == tokens for o in out.outputs), f"{len(prompt)}-token prompt"
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0, "nothing was speculated"
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    llm.engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_greedy_equals_hf_with_ngram_and_a_draft_model(arch, tmp_path, draft_dir):
+    hf_model = make_tiny_model(arch, tmp_path)
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=1)
+    want = _hf(hf_model, prompts)
+    _assert_greedy_as_hf(eager(tmp_path, speculative_config=dict(NGRAM, **ALWAYS)), prompts, want)
+    # A draft model of another seed (drafts mostly rejected); the target as its own draft
+    # (every draft accepted) has tests of its own below.
+    spec = dict(method="draft_model", model=str(draft_dir), num_speculative_tokens=3, **ALWAYS)
+    _assert_greedy_as_hf(eager(tmp_path, speculative_config=spec), prompts, want)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek-v2", "deepseek-v3"])
+def test_greedy_equals_hf_with_ngram_on_moe_and_mla(arch, tmp_path):
+    make = make_tiny_deepseek if arch.startswith("deepseek") else make_tiny_moe
+    hf_model = make(arch, tmp_path)
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=2)[:6]
+    llm = eager(tmp_path, speculative_config=dict(NGRAM, **ALWAYS))
+    _assert_greedy_as_hf(llm, prompts, _hf(hf_model, prompts))
+
+
+def test_preemption_in_a_small_pool_keeps_greedy_exact(llama):
+    directory, hf_model = llama
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=3)
+    small = dict(block_size=4, num_kv_blocks=22, max_num_batched_tokens=64)
+    want = _hf(hf_model, prompts)
+    for spec in (
+        dict(NGRAM, **ALWAYS),
+        dict(method="draft_model", model=str(directory), num_speculative_tokens=4, **ALWAYS),
+    ):
+        llm = eager(directory, speculative_config=spec, **small)
+        _assert_greedy_as_hf(llm, prompts, want)
+        assert llm.engine.stats().num_preemptions_total > 0
+
+
+def test_max_tokens_is_exact_when_every_draft_is_accepted(llama):
+    directory, hf_model = llama
+    spec = dict(method="draft_model", model=str(directory), num_speculative_tokens=4, **ALWAYS)
+    llm = eager(directory, speculative_config=spec)
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=4)
+    want = _hf(hf_model, prompts, 7)
+    for max_tokens in (1, 2, 6, 7):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for tokens, out in zip(want, llm.generate(prompts, params), strict=True):
+            assert out.outputs[0].token_ids == tokens[:max_tokens]
+            assert out.outputs[0].finish_reason == "length"
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    assert stats.spec_accepted_per_pos[3] > 0  # four drafts accepted at once
+
+
+def test_n2_penalties_min_tokens_and_logprobs_equal_non_speculative(llama):
+    directory, hf_model = llama
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=5)
+    spec = dict(method="draft_model", model=str(directory), num_speculative_tokens=3, **ALWAYS)
+    plain, fast = eager(directory), eager(directory, speculative_config=spec)
+    cases = [
+        SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, repetition_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, frequency_penalty=0.8),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=6, logprobs=3),
+    ]
+    for params in cases:
+        want, got = plain.generate(prompts, params), fast.generate(prompts, params)
+        for a, b in zip(want, got, strict=True):
+            for x, y in zip(a.outputs, b.outputs, strict=True):
+                assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+                if params.logprobs:
+                    assert [e.token_id for e in x.logprobs] == [e.token_id for e in y.logprobs]
+                    for e, f in zip(x.logprobs, y.logprobs, strict=True):
+                        assert e.logprob == pytest.approx(f.logprob, abs=1e-4)
+                        assert [t for t, _ in e.top] == [t for t, _ in f.top]
+    assert fast.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_and_low_acceptance_stops_proposing(llama, draft_dir):
+    directory, hf_model = llama
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=6)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=12, ignore_eos=True)
+    cutoff = dict(min_acceptance_rate=0.5, acceptance_window=6)
+    for draft in (directory, draft_dir):
+        runs = []
+        for _ in range(2):
+            spec = dict(method="draft_model", model=str(draft), num_speculative_tokens=3, **cutoff)
+            llm = eager(directory, speculative_config=spec)
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert runs[0] == runs[1]
+    # The other model's drafts are mostly rejected: each request stops proposing after its
+    # first window of 6 draft tokens (two rows of 3).
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts <= 2 * len(prompts) and stats.spec_num_accepted_tokens < 8
+    assert not llm.engine.scheduler.speculating()
+
+
+def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(tmp_path):
+    """A tiny Llama with a byte-level tokenizer, its own draft (runs of five tokens a step):
+    a stop string taken from the middle of its plain output ends the speculative output at
+    the same token, with the same text, though the step accepted tokens past it."""
+    import transformers
+
+    from compile_engine.benchmarks.structured import add_byte_level_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=299,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    add_byte_level_tokenizer(tmp_path)
+    spec = dict(method="draft_model", model=str(tmp_path), num_speculative_tokens=4, **ALWAYS)
+    plain, fast = eager(tmp_path), eager(tmp_path, speculative_config=spec)
+    prompts = ["abc abc abc", "hello world", "xyz"]
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    texts = [o.outputs[0].text for o in plain.generate(prompts, free)]
+    for prompt, text in zip(prompts, texts, strict=True):
+        middle = len(text) // 2
+        stop = text[middle : middle + 2]
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+        (a,) = plain.generate(prompt, params)[0].outputs
+        (b,) = fast.generate(prompt, params)[0].outputs
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.text,
+            b.token_ids,
+            b.finish_reason,
+            b.stop_reason,
+        )
+        assert b.finish_reason == "stop" and len(b.token_ids) < 30
+    stats = fast.engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+# -- SmolLM2 ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_stop_strings_and_a_schema_with_ngram(smollm2_llm):
+    """One batch on each engine: a repetitive prompt, a stop string inside a speculated run,
+    and a JSON schema (its row not speculated, beside rows that are)."""
+    ngram = dict(NGRAM, prompt_lookup_max=4, num_speculative_tokens=4, **ALWAYS)
+    spec = LLM(
+        "smollm2-135m",
+        dtype="float32",
+        target="cpu",
+        num_kv_blocks=256,
+        enforce_eager=True,
+        speculative_config=ngram,
+    )
+    questions = [
+        "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+        "Count from 1 to 20, separated by commas.",
+        "Give a JSON object with one integer field n.",
+    ]
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [
+        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=24, stop=["4. 4"]),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs={"json": schema}),
+    ]
+    want, got = smollm2_llm.chat(convs, params), spec.chat(convs, params)
+    for a, b in zip(want, got, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.text,
+            b.token_ids,
+            b.finish_reason,
+            b.stop_reason,
+        )
+    assert got[1].outputs[0].stop_reason == "4. 4"
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
