@@ -42,6 +42,7 @@ def engine_settings(llm) -> dict:
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "enforce_eager": cfg.enforce_eager,
         "async_scheduling": cfg.async_scheduling,
+        "speculative_config": cfg.speculative_config.to_dict() if cfg.speculative_config else None,
         "compiled": llm.engine.compiled is not None,
         "compile": llm.engine.compiled.backend.stats.as_dict() if llm.engine.compiled else None,
         "passes": llm.engine.compiled.pass_manager.describe() if llm.engine.compiled else None,

@@ -97,7 +97,8 @@ def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dic
     from compile_engine.runtime.engine import RequestOutput
 
     engine = llm.engine
-    preempted_before = engine.stats().num_preemptions_total
+    before = engine.stats()
+    preempted_before = before.num_preemptions_total
     remaining_first = set()
     synchronize(device)
     t_start = time.perf_counter()
@@ -132,6 +133,9 @@ def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dic
     t_end = time.perf_counter()
     prefill_s = t_decode - t_start
     decode_s = t_end - t_decode
+    after = engine.stats()
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     return {
         "prefill_s": prefill_s,
         "prefill_tok_s": sum(map(len, prompts)) / prefill_s,
@@ -145,8 +149,13 @@ def run_once(llm, prompts: list[list[int]], params, device: torch.device) -> dic
         "max_step_ms": 1e3 * max(step_s) if step_s else 0.0,
         "min_decode_batch": min(batch_sizes, default=0),
         "max_decode_batch": max(batch_sizes, default=0),
-        "preemptions": engine.stats().num_preemptions_total - preempted_before,
+        "preemptions": after.num_preemptions_total - preempted_before,
         "e2e_s": t_end - t_start,
+        # Speculative decoding (vLLM's mean acceptance length: tokens a verifying row emits,
+        # 1 + accepted drafts per row); None when no row verified drafts.
+        "spec_drafts": drafts,
+        "spec_accepted_tokens": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
     }
 
 
@@ -223,6 +232,10 @@ def bench_latency(
             "gpu": gpu.summary,  # clocks and power through the measured runs
             "runs": runs,
         }
+        if llm.engine.config.speculative_config is not None:
+            lengths = [r["mean_acceptance_length"] for r in runs if r["mean_acceptance_length"]]
+            mean_length = statistics.median(lengths) if lengths else None
+            payload["batches"][str(b)]["mean_acceptance_length"] = mean_length
         payload[f"decode_bs{b}_tok_s"] = tok_s
     return payload
 
@@ -474,13 +487,18 @@ def print_latency(payload: dict) -> None:
         f"copy rate {payload['copy_rate_B_s'] / 1e9:,.0f} GB/s ({payload['copy_rate_source']})"
     )
     hf = "hf_reference" in payload
+    spec = any("mean_acceptance_length" in r for r in payload["batches"].values())
     head = f"  {'batch':>6} {'decode tok/s':>13} {'ms/step':>9} {'roofline':>9} {'prefill s':>10}"
+    head += f" {'accept len':>10}" if spec else ""
     print(head + (f" {'HF tok/s':>10} {'ours/HF':>8}" if hf else ""))
     for b, r in payload["batches"].items():
         line = (
             f"  {b:>6} {r['decode_tok_s']:>13,.1f} {r['ms_per_step']:>9.2f} "
             f"{r['roofline_pct']:>8.1f}% {r['prefill_s']:>10.3f}"
         )
+        if spec:
+            length = r.get("mean_acceptance_length")
+            line += f" {length:>10.2f}" if length else f" {'-':>10}"
         if hf:
             theirs = r["hf_decode_tok_s"]
             ratio = f"{r['decode_tok_s'] / theirs:>7.2f}x" if theirs > 0 else f"{'-':>8}"

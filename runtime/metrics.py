@@ -88,6 +88,27 @@ class _SchedulerCollector(Collector):
         yield counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
+        if stats.spec_accepted_per_pos:  # speculative decoding is on (vLLM's names)
+            yield from self._spec_counters(stats, counter)
+
+    def _spec_counters(self, stats: SchedulerStats, counter: Callable) -> Iterator[Metric]:
+        yield counter("spec_decode_num_drafts", "Rows that verified drafts.", stats.spec_num_drafts)
+        yield counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            stats.spec_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of a row's drafts.",
+            labels=["model_name", "position"],
+        )
+        for position, accepted in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([self._model_name, str(position)], accepted)
+        yield per_pos
 
     @staticmethod
     def _step_counters(steps: StepCounters, counter: Callable) -> Iterator[Metric]:

@@ -331,6 +331,42 @@ def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(tmp_path
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
 
 
+def test_metrics_use_vllms_spec_decode_names():
+    from compile_engine.runtime.metrics import ServerMetrics
+    from compile_engine.runtime.scheduler import SchedulerStats
+
+    stats = SchedulerStats(1, 0, 0.1, 0, 0, 0, 5, 15, 9, [5, 3, 1])
+    text = ServerMetrics("m", lambda: stats, lambda: None).render().decode()
+    for line in (
+        'compile_engine:spec_decode_num_drafts_total{model_name="m"} 5.0',
+        'compile_engine:spec_decode_num_draft_tokens_total{model_name="m"} 15.0',
+        'compile_engine:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0',
+        'compile_engine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"}'
+        " 1.0",
+    ):
+        assert line in text
+    off = SchedulerStats(1, 0, 0.1, 0, 0, 0)
+    assert "spec_decode" not in ServerMetrics("m", lambda: off, lambda: None).render().decode()
+
+
+def test_bench_latency_reports_the_mean_acceptance_length(llama, tmp_path):
+    import json
+
+    from compile_engine.benchmarks import latency
+
+    directory, _ = llama
+    spec = {"method": "draft_model", "model": str(directory), "num_speculative_tokens": 3}
+    argv = ["--model", str(directory), "--target", "cpu", "--dtype", "float32", "--enforce-eager"]
+    argv += ["--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--num-iters", "1"]
+    argv += ["--copy-rate", "1e10", "--results-dir", str(tmp_path)]
+    assert latency.main([*argv, "--speculative-config", json.dumps(spec)]) == 0
+    (record,) = tmp_path.glob("*.json")
+    data = json.loads(record.read_text())
+    # Its own draft: every draft accepted, 4 tokens a verifying row.
+    assert data["batches"]["2"]["mean_acceptance_length"] == pytest.approx(4.0)
+    assert data["engine"]["speculative_config"]["num_speculative_tokens"] == 3
+
+
 # -- SmolLM2 ----------------------------------------------------------------------------------
 
 
