@@ -275,6 +275,10 @@ class Speculator:
             return
         wanted = []
         for request in running:
+            if request.sampling_params.structured_outputs is not None:
+                # Never speculated (module docstring): marked so that the engine need not step
+                # synchronously for it.
+                request.spec_disabled = True
             room = min(
                 self.config.num_speculative_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
@@ -299,7 +303,6 @@ class Speculator:
             and not request.num_pending_tokens
             and not request.num_drafts_in_flight
             and request.num_computed_tokens == request.num_tokens - 1
-            and request.sampling_params.structured_outputs is None
         )
 
     @property

@@ -92,6 +92,34 @@ def test_ngram_lookup_takes_the_most_recent_longest_match():
     assert ngram_lookup(np.array([4]), 1, 3, 4) == []
 
 
+def test_the_speculator_proposes_only_for_requests_that_can_take_drafts():
+    from compile_engine.runtime.request import Request
+    from compile_engine.runtime.speculative import NgramProposer, Speculator
+    from compile_engine.runtime.speculative_config import SpeculativeConfig
+
+    def decoding(rid: str, **params) -> Request:
+        request = Request(rid, [1, 2, 3, 1, 2], SamplingParams(max_tokens=8, **params))
+        request.append_output_token(3)  # ... 1, 2, 3: lookup continues 1, 2, 3
+        request.num_computed_tokens = request.num_tokens - 1
+        return request
+
+    config = SpeculativeConfig(**dict(NGRAM, disable_by_batch_size=6))
+    speculator = Speculator(config, NgramProposer(1, 3))
+    plain, pending, off, grammar = (decoding(r) for r in "abcd")
+    grammar.sampling_params = SamplingParams(max_tokens=8, structured_outputs={"regex": "a+"})
+    pending.num_pending_tokens = 1
+    off.spec_disabled = True
+    prefill = Request("e", [1, 2, 3, 1, 2], SamplingParams(max_tokens=8))
+    last = decoding("f")
+    last.max_tokens = 1  # its one token is out: no room for drafts
+    running = [plain, pending, off, grammar, prefill, last]
+    speculator.propose(running[:5])
+    assert [r.spec_token_ids for r in running] == [[1, 2, 3], [], [], [], [], []]
+    assert grammar.spec_disabled  # a grammar's request is never speculated
+    speculator.propose(running)  # six running: disable_by_batch_size
+    assert all(not r.spec_token_ids for r in running)
+
+
 # -- the rejection sampler's distribution -----------------------------------------------------
 
 V = 6
