@@ -174,7 +174,8 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not self._overlap():
             outputs, previous = self._process(previous), None
-        self.runner.propose(self.scheduler.running)  # drafts need the last tokens on the host
+        # Drafts need the last tokens on the host; a grammar cuts them to what it accepts.
+        self.runner.propose(self.scheduler.running, self.structured.check_drafts)
         step = self.scheduler.schedule()
         launched = None
         if step.scheduled:
@@ -185,7 +186,8 @@ class LLMEngine:
         if previous is not None:
             outputs = self._process(previous)
         if launched is not None and launched.logits is not None:
-            self.runner.sample(launched, self.structured.bitmask(launched.sampling))
+            masks = self.structured.bitmask(launched.sampling, launched.drafts)
+            self.runner.sample(launched, masks)
         if launched is not None:
             if self._overlap():
                 self._in_flight = launched

@@ -100,6 +100,17 @@ class InFlightStep:
     logits: torch.Tensor | None = None  # [S, V] while sampling waits (launch's defer_sampling)
     spec: SpecRows | None = None  # the rows verifying drafts; host then holds their results
 
+    @property
+    def drafts(self) -> list[list[int]] | None:
+        """The drafts each sampling request verifies, in row order (None: no drafts)."""
+        if self.spec is None:
+            return None
+        ids, out, first = self.spec.draft_ids.tolist(), [], 0
+        for count in self.spec.counts:
+            out.append(ids[first : first + count - 1])
+            first += count
+        return out
+
 
 def _prompt_rows(scheduled: list[ScheduledRequest], starts: np.ndarray) -> PromptRows | None:
     """Which rows of the packed batch score which prompt tokens; None, after one cheap pass,
@@ -290,10 +301,11 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.release(request_id)
 
-    def propose(self, running: list) -> None:
-        """Leave draft tokens on the running requests that take them (no speculator: none)."""
+    def propose(self, running: list, check: Callable | None = None) -> None:
+        """Leave draft tokens on the running requests that take them (no speculator: none);
+        `check(request)` may cut them (a grammar's, StructuredOutputs.check_drafts)."""
         if self.speculator is not None:
-            self.speculator.propose(running)
+            self.speculator.propose(running, check)
 
     def generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -507,8 +519,11 @@ class ModelRunner:
                     )
             first += count
         logits = flight.logits
-        if token_bitmask is not None:  # one mask a request: each of its rows gets it
-            token_bitmask = token_bitmask.repeat_interleave(torch.tensor(spec.counts), dim=0)
+        if token_bitmask is not None and token_bitmask.shape[0] != logits.shape[0]:
+            raise ValueError(
+                f"a verifying step needs a mask a row ({logits.shape[0]}), got "
+                f"{token_bitmask.shape[0]}: pass the step's drafts to StructuredOutputs.bitmask"
+            )
         batch = SamplingBatch.build(
             params,
             prompts,

@@ -5,9 +5,9 @@ verifies them (runtime/rejection_sampler.py) in one forward of 1 + k tokens a ro
 `Request.spec_token_ids` for the running requests that may take them (the scheduler then fits
 them into the step), gives the runner the draft distribution of each draft it made, and forgets
 a request when it ends. A request gets no drafts while its last token is not on the host (its
-step in flight), under a grammar (the mask would be needed at every verified position; such
-requests decode one token a step), once its acceptance fell below `min_acceptance_rate` (the
-scheduler judges that, `Request.spec_disabled`), or when max_tokens leaves no room.
+step in flight), once its acceptance fell below `min_acceptance_rate` (the scheduler judges
+that, `Request.spec_disabled`), or when max_tokens leaves no room; a grammar cuts a constrained
+request's drafts to those it accepts (runtime/structured_output.py, `check_drafts`).
 
 - `NgramProposer` (prompt lookup): the continuation of the most recent earlier occurrence of
   the request's last n tokens in its prompt and output, the longest n first. Host only.
@@ -21,6 +21,7 @@ scheduler judges that, `Request.spec_disabled`), or when max_tokens leaves no ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,9 +266,12 @@ class Speculator:
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(
+        self, running: list[Request], check: Callable[[Request], None] | None = None
+    ) -> None:
         """Leave drafts in `spec_token_ids` of the running requests that may take them this
-        step (and clear everyone else's)."""
+        step (and clear everyone else's); `check` may then cut a request's drafts (a grammar
+        keeps those it accepts)."""
         for request in running:
             request.spec_token_ids = []
         limit = self.config.disable_by_batch_size
@@ -275,10 +279,6 @@ class Speculator:
             return
         wanted = []
         for request in running:
-            if request.sampling_params.structured_outputs is not None:
-                # Never speculated (module docstring): marked so that the engine need not step
-                # synchronously for it.
-                request.spec_disabled = True
             room = min(
                 self.config.num_speculative_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
@@ -295,6 +295,10 @@ class Speculator:
             drafted = proposer.propose(wanted)
             for request, _ in wanted:
                 request.spec_token_ids = drafted.get(request.request_id, [])
+        if check is not None:
+            for request, _ in wanted:
+                if request.spec_token_ids and request.sampling_params.structured_outputs:
+                    check(request)
 
     @staticmethod
     def _eligible(request: Request) -> bool:

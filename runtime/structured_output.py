@@ -19,6 +19,13 @@ A grammar follows the reasoning (EngineConfig.reasoning_parser): until the seque
 parser sees the reasoning end, the sequence samples freely; the grammar applies to what comes
 after (from the first token when the prompt already closed the reasoning part).
 Preemption needs nothing: recompute keeps a request's output tokens, so its matcher stays.
+
+Speculative decoding: a constrained request's drafts are cut to what its grammar allows
+(`check_drafts`), and its verification rows get a mask each, the grammar advanced through the
+drafts before that row and rolled back (llguidance's draft-token fill). A draft that would
+complete the grammar is cut too, so that completion can only come from the target's own
+token, where the request then ends as it would without speculation; while the output is still
+reasoning, no drafts (the grammar's start inside a run of drafts is not known in advance).
 """
 
 from __future__ import annotations
@@ -300,15 +307,42 @@ class StructuredOutputs:
                 return True
         return matcher.is_stopped()
 
-    def bitmask(self, requests: list) -> torch.Tensor | None:
+    def check_drafts(self, request) -> None:
+        """Cut `request.spec_token_ids` to the drafts its grammar accepts, before the one that
+        would complete it (module docstring); none while its output is still reasoning."""
+        state = self.states.get(request.request_id)
+        drafts = request.spec_token_ids
+        if state is None or not drafts:
+            return
+        if state.reasoning is not None or state.matcher.is_stopped():
+            request.spec_token_ids = []
+            return
+        matcher = state.matcher
+        valid = matcher.validate_tokens(drafts)
+        kept = 0
+        for token in drafts[:valid]:
+            matcher.consume_token(token)
+            if matcher.is_stopped():
+                break
+            kept += 1
+        matcher.rollback(min(valid, kept + 1))
+        request.spec_token_ids = drafts[:kept]
+
+    def bitmask(self, requests: list, drafts: list[list[int]] | None = None) -> torch.Tensor | None:
         """[S, ceil(V / 32)] int32 on the host: bit t of row i allows token t; rows without an
-        active grammar allow everything. None when no row is constrained.
+        active grammar allow everything. None when no row is constrained. With `drafts` (a
+        list per request, speculative decoding) a request has 1 + len(drafts) rows,
+        [R, ceil(V / 32)]: its row j masks the token after its first j drafts.
 
         The rows are filled in place, by llguidance's threads, in one of two buffers used in
         turn (pinned on CUDA machines, so that the sampler's copy to the device does not wait):
         a buffer is written again only two steps later, after the step that read it has been
         collected. Allocating the mask each step cost more than computing it (a 1 MB
         torch.full took milliseconds on a busy CPU)."""
+        drafts = drafts if drafts is not None else [[] for _ in requests]
+        starts = [0]
+        for own in drafts:
+            starts.append(starts[-1] + 1 + len(own))
         rows = [
             (state.matcher, i)
             for i, r in enumerate(requests)
@@ -319,16 +353,25 @@ class StructuredOutputs:
         if not rows:
             return None
         started = time.perf_counter()
-        mask = self._next_buffer(len(requests))
-        if len(rows) < len(requests):
-            constrained = {i for _, i in rows}
-            for i in range(len(requests)):
-                if i not in constrained:
-                    mask[i] = -1
+        mask = self._next_buffer(starts[-1])
+        constrained = {i for _, i in rows}
+        for i in range(len(requests)):
+            # Rows no grammar fills allow everything: every row of an unconstrained request,
+            # and those after a draft the grammar refused (check_drafts leaves none).
+            first = starts[i] if i not in constrained else starts[i] + 1
+            if first < starts[i + 1]:
+                mask[first : starts[i + 1]] = -1
         words = mask.shape[1]
-        # The executor's own call (llguidance.torch wraps it, but importing that module
+        # The executor's own calls (llguidance.torch wraps them, but importing that module
         # compiles a torch function and costs seconds on the first mask).
-        self._executor.unsafe_compute_mask_ptr(rows, mask.data_ptr(), words * 4, len(requests))
+        plain = [(matcher, starts[i]) for matcher, i in rows if not drafts[i]]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), words * 4, starts[-1])
+        speculated = [(matcher, starts[i], list(drafts[i])) for matcher, i in rows if drafts[i]]
+        if speculated:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                speculated, mask.data_ptr(), words * 4, starts[-1]
+            )
         self.mask_times.append(time.perf_counter() - started)
         return mask
 

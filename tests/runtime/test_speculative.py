@@ -2,8 +2,8 @@
 distribution against the target's (and a wrong rule failing the same check), and the engine:
 greedy tokens with n-gram and draft-model speculation equal HF's for every tiny architecture,
 under preemption, with max_tokens exact when every draft is accepted, n > 1, penalties,
-min_tokens, logprobs and seeds. SmolLM2 (slow): chat prompts, stop strings and a JSON schema
-beside speculating rows."""
+min_tokens, logprobs, seeds, stop strings and grammars. SmolLM2 (slow): chat prompts and a stop
+string."""
 
 from __future__ import annotations
 
@@ -113,9 +113,10 @@ def test_the_speculator_proposes_only_for_requests_that_can_take_drafts():
     last = decoding("f")
     last.max_tokens = 1  # its one token is out: no room for drafts
     running = [plain, pending, off, grammar, prefill, last]
-    speculator.propose(running[:5])
-    assert [r.spec_token_ids for r in running] == [[1, 2, 3], [], [], [], [], []]
-    assert grammar.spec_disabled  # a grammar's request is never speculated
+    cut = []
+    speculator.propose(running[:5], lambda r: cut.append(r.request_id))
+    assert [r.spec_token_ids for r in running] == [[1, 2, 3], [], [], [1, 2, 3], [], []]
+    assert cut == ["d"]  # a grammar's request's drafts go to its check
     speculator.propose(running)  # six running: disable_by_batch_size
     assert all(not r.spec_token_ids for r in running)
 
@@ -315,14 +316,15 @@ def test_seeded_sampling_is_reproducible_and_low_acceptance_stops_proposing(llam
     assert not llm.engine.scheduler.speculating()
 
 
-def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(tmp_path):
-    """A tiny Llama with a byte-level tokenizer, its own draft (runs of five tokens a step):
-    a stop string taken from the middle of its plain output ends the speculative output at
-    the same token, with the same text, though the step accepted tokens past it."""
+@pytest.fixture(scope="module")
+def byte_llama(tmp_path_factory):
+    """A tiny Llama of 300 tokens with a byte-level BPE tokenizer: text, stop strings and
+    grammars work on it."""
     import transformers
 
     from compile_engine.benchmarks.structured import add_byte_level_tokenizer
 
+    directory = tmp_path_factory.mktemp("byte-llama")
     config = transformers.LlamaConfig(
         vocab_size=300,
         hidden_size=32,
@@ -335,8 +337,16 @@ def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(tmp_path
         initializer_range=0.3,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    add_byte_level_tokenizer(tmp_path)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    add_byte_level_tokenizer(directory)
+    return directory
+
+
+def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(byte_llama):
+    """The model as its own draft (runs of five tokens a step): a stop string taken from the
+    middle of its plain output ends the speculative output at the same token, with the same
+    text, though the step accepted tokens past it."""
+    tmp_path = byte_llama
     spec = dict(method="draft_model", model=str(tmp_path), num_speculative_tokens=4, **ALWAYS)
     plain, fast = eager(tmp_path), eager(tmp_path, speculative_config=spec)
     prompts = ["abc abc abc", "hello world", "xyz"]
@@ -357,6 +367,47 @@ def test_a_stop_string_inside_accepted_drafts_drops_the_tokens_after_it(tmp_path
         assert b.finish_reason == "stop" and len(b.token_ids) < 30
     stats = fast.engine.stats()
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+def test_grammars_mask_every_verified_position(byte_llama):
+    """Constrained requests speculate too: n-gram drafts cut to what the grammar accepts, a
+    mask a verified row. Greedy tokens equal non-speculative decoding's; seeded sampled ones
+    (another random stream than without speculation) keep to the grammar."""
+    import json
+    import re
+
+    spec = dict(NGRAM, num_speculative_tokens=4, **ALWAYS)
+    plain, fast = eager(byte_llama), eager(byte_llama, speculative_config=spec)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["xy", "zw"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    constraints = [{"regex": "(ab|cd){3,8}e"}, {"json": schema}, {"choice": ["alpha", "beta"]}]
+    valid = [
+        lambda t: re.fullmatch("(ab|cd){3,8}e", t),
+        lambda t: set(json.loads(t)) == {"a", "b"},
+        lambda t: t in ("alpha", "beta"),
+    ]
+    prompts = ["abab", '{"a": 1', "choose"]
+    for temperature in (0.0, 0.7):
+        params = [
+            SamplingParams(temperature=temperature, seed=3, max_tokens=60, structured_outputs=c)
+            for c in constraints
+        ]
+        want, got = plain.generate(prompts, params), fast.generate(prompts, params)
+        for a, b, ok in zip(want, got, valid, strict=True):
+            a, b = a.outputs[0], b.outputs[0]
+            if temperature == 0.0:
+                assert (a.token_ids, a.text, a.finish_reason) == (
+                    b.token_ids,
+                    b.text,
+                    b.finish_reason,
+                )
+            if b.finish_reason == "stop":
+                assert ok(b.text), b.text
+    assert fast.engine.stats().spec_num_accepted_tokens > 0
 
 
 def test_metrics_use_vllms_spec_decode_names():
@@ -399,38 +450,26 @@ def test_bench_latency_reports_the_mean_acceptance_length(llama, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_stop_strings_and_a_schema_with_ngram(smollm2_llm):
-    """One batch on each engine: a repetitive prompt, a stop string inside a speculated run,
-    and a JSON schema (its row not speculated, beside rows that are)."""
+def test_smollm2_greedy_and_a_stop_string_with_ngram(smollm2_llm):
+    """Greedy tokens equal the plain engine's on a repetitive answer that n-gram drafts
+    speed up, up to a stop string (grammars: test_grammars_mask_every_verified_position)."""
     ngram = dict(NGRAM, prompt_lookup_max=4, num_speculative_tokens=4, **ALWAYS)
     spec = LLM(
         "smollm2-135m",
         dtype="float32",
         target="cpu",
-        num_kv_blocks=256,
+        num_kv_blocks=128,
         enforce_eager=True,
         speculative_config=ngram,
     )
-    questions = [
-        "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
-        "Count from 1 to 20, separated by commas.",
-        "Give a JSON object with one integer field n.",
-    ]
-    convs = [[{"role": "user", "content": q}] for q in questions]
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    params = [
-        SamplingParams(temperature=0, max_tokens=20),
-        SamplingParams(temperature=0, max_tokens=24, stop=["4. 4"]),
-        SamplingParams(temperature=0, max_tokens=12, structured_outputs={"json": schema}),
-    ]
-    want, got = smollm2_llm.chat(convs, params), spec.chat(convs, params)
-    for a, b in zip(want, got, strict=True):
-        a, b = a.outputs[0], b.outputs[0]
-        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
-            b.text,
-            b.token_ids,
-            b.finish_reason,
-            b.stop_reason,
-        )
-    assert got[1].outputs[0].stop_reason == "4. 4"
+    conv = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    params = SamplingParams(temperature=0, max_tokens=24, stop=["4. 4"])
+    (a,), (b,) = smollm2_llm.chat(conv, params)[0].outputs, spec.chat(conv, params)[0].outputs
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+        b.text,
+        b.token_ids,
+        b.finish_reason,
+        b.stop_reason,
+    )
+    assert b.stop_reason == "4. 4" and len(b.token_ids) > 8
     assert spec.engine.stats().spec_num_accepted_tokens > 0
