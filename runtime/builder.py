@@ -186,6 +186,7 @@ class _Start:
                     num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                     min_acceptance_rate=spec.min_acceptance_rate if spec else 0.0,
                     acceptance_window=spec.acceptance_window if spec else 16,
+                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
                 )
             )
         except InvalidSchedulerConfig as exc:

@@ -189,7 +189,7 @@ class LLMEngine:
             masks = self.structured.bitmask(launched.sampling, launched.drafts)
             self.runner.sample(launched, masks)
         if launched is not None:
-            if self._overlap():
+            if self._overlap() and launched.spec is None:  # drafts are verified at once
                 self._in_flight = launched
             else:
                 outputs += self._process(launched)

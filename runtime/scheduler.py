@@ -74,6 +74,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     min_acceptance_rate: float = 0.0
     acceptance_window: int = 16
+    spec_disable_by_batch_size: int | None = None  # no drafts with this many running
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -449,7 +450,11 @@ class Scheduler:
     def speculating(self) -> bool:
         """Whether some live request may still get drafts (the engine then steps
         synchronously: proposing needs each request's last token on the host)."""
-        if not self.config.num_speculative_tokens:
+        cfg = self.config
+        if not cfg.num_speculative_tokens:
+            return False
+        limit = cfg.spec_disable_by_batch_size
+        if limit is not None and len(self.running) >= limit:
             return False
         return any(not r.spec_disabled for r in self.requests.values())
 

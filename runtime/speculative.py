@@ -299,6 +299,15 @@ class Speculator:
             for request, _ in wanted:
                 if request.spec_token_ids and request.sampling_params.structured_outputs:
                     check(request)
+        window = self.config.acceptance_window
+        for request, _ in wanted:
+            # A request that keeps finding nothing to propose (no n-gram match) stops asking:
+            # while any request may still speculate, the engine steps synchronously.
+            if request.spec_token_ids:
+                request.spec_steps_without_drafts = 0
+            else:
+                request.spec_steps_without_drafts += 1
+                request.spec_disabled = request.spec_steps_without_drafts >= window
 
     @staticmethod
     def _eligible(request: Request) -> bool:

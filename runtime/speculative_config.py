@@ -39,7 +39,9 @@ class SpeculativeConfig:
     enforce_eager: bool | None = None
     # Ours (vLLM has none): a request whose drafts were accepted at less than this rate, once
     # it has been offered `acceptance_window` draft tokens, proposes nothing more, so that a
-    # request speculation does not help costs what it costs without speculation.
+    # request speculation does not help costs what it costs without speculation; so does one
+    # whose proposer found nothing `acceptance_window` steps in a row (no n-gram match), so
+    # that the engine can step asynchronously again.
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
     # vLLM's: no proposals in a step with at least this many running requests (None: always).

@@ -456,6 +456,11 @@ def test_low_acceptance_turns_a_requests_proposals_off() -> None:
         a.spec_token_ids = [5, 6, 7, 8]
         sched.update_from_output(sched.schedule(), {"a": [9]})
     assert a.spec_disabled and not sched.speculating()
+    crowded = spec_scheduler(spec_disable_by_batch_size=1)
+    crowded.add_request(make_request("b", [1] * 6))
+    assert crowded.speculating()  # waiting only
+    step(crowded)
+    assert not crowded.speculating()  # one running: at the batch size that turns drafts off
 
 
 def test_rejected_drafts_never_enter_the_prefix_cache() -> None:
