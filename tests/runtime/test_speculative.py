@@ -73,6 +73,8 @@ def test_config_is_validated_with_vllms_names():
     for value, message in bad:
         with pytest.raises(EngineConfigError, match=message):
             EngineConfig("x", target="cpu", speculative_config=value)
+    with pytest.raises(EngineConfigError, match="does not run tensor-parallel yet"):
+        EngineConfig("x", target="cpu", speculative_config=NGRAM, tensor_parallel_size=2)
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     args = parser.parse_args(
