@@ -4,8 +4,9 @@ A GGUF file carries llama.cpp's names, its metadata keys and, for Llama, Q and K
 llama.cpp's rotary row order. This module translates all three so that the common loader sees
 exactly what an HF safetensors directory would give it: a `PretrainedConfig` and tensors named
 `model.layers.{i}.self_attn.q_proj.weight` etc. in HF's [out, in] layout and HF's rotary order.
-Quantized tensors are dequantized to float32 (then cast); keeping them quantized is the job of
-the quant_linear path, not of this reader.
+`tensors()` dequantizes quantized tensors to float32 (then casts); `quantized_tensors()` reads
+the blocks of the types the quant_linear path runs (QUANTIZED_TYPES) straight from the file as
+codes and scales, without dequantizing (models/quant.py's integer formats, group 32).
 
 It imports nothing from `models/` but its errors and aliases, so it can be tested alone.
 """
@@ -52,6 +53,32 @@ _LLAMA_GLOBAL_TENSORS: dict[str, str] = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 _MISSING: Any = object()
+
+# GGUF block types read as codes + scales, and the models/quant.py weight format each is
+# (every one a group of 32): Q4_0 w = d (q - 8), Q4_1 w = d q + m, Q8_0 w = d q.
+QUANTIZED_TYPES: dict[str, str] = {"Q4_0": "int4", "Q4_1": "uint4", "Q8_0": "int8"}
+# Kept as float tensors either way.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_GROUP = 32
+
+
+def read_blocks(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized tensor's raw blocks ([rows, bytes a row] uint8) -> (codes [rows, K]: int8 for
+    Q8_0, else uint8 0..15; scales float32: [rows, G], or [rows, G, 2] = (d, m) for Q4_1)."""
+    rows = data.shape[0]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)  # [rows, G, bytes]
+    groups = blocks.shape[1]
+    head = 4 if type_name == "Q4_1" else 2
+    d = blocks[..., :head].copy().view(np.float16).astype(np.float32)  # [rows, G, 1 or 2]
+    qs = blocks[..., head:]
+    if type_name == "Q8_0":
+        codes = qs.view(np.int8).reshape(rows, groups * GGUF_GROUP)
+        return torch.from_numpy(codes.copy()), torch.from_numpy(d[..., 0].copy())
+    # a block's byte j holds element j (low nibble) and element j + 16 (high nibble)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, groups * GGUF_GROUP)
+    scales = d if type_name == "Q4_1" else d[..., 0]
+    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales))
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -236,6 +263,46 @@ class GGUFCheckpoint:
             elif hf_name.endswith("k_proj.weight"):
                 w = unpermute_rotary(w, kv_heads)
             yield hf_name, w.to(dtype)
+
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> GGUF type name ("Q4_1", "F32", ...) of every tensor the model loads."""
+        names = {t.name: self._hf_name(t.name) for t in self._reader.tensors}
+        return {names[t.name]: t.tensor_type.name for t in self._reader.tensors if names[t.name]}
+
+    def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) in file order with QUANTIZED_TYPES kept quantized: `name` the
+        codes and `name` with `_scale` for `weight`'s suffix the scales (read_blocks), Q and K
+        rows un-permuted like `tensors()`'s; float tensors as float32. Any other type is an
+        UnsupportedModelError that names it."""
+        heads = int(self._arch_field("attention.head_count"))
+        kv_heads = int(self._arch_field("attention.head_count_kv", heads))
+        types = self.tensor_types()
+        for name, kind in types.items():
+            if kind not in QUANTIZED_TYPES and kind not in FLOAT_TYPES:
+                raise UnsupportedModelError(
+                    f"{self.path.name}: tensor {name} is {kind}; the quantized path reads "
+                    f"{', '.join(QUANTIZED_TYPES)} (and float) tensors; use --dtype float32 to "
+                    "run this file dequantized"
+                )
+        for t in self._reader.tensors:
+            hf_name = self._hf_name(t.name)
+            if hf_name is None:
+                continue
+            kind = t.tensor_type.name
+            # an untied lm_head is a plain Linear (it runs outside the compiled graph)
+            if kind not in QUANTIZED_TYPES or hf_name == "lm_head.weight":
+                yield hf_name, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type)))
+                continue
+            codes, scales = read_blocks(t.data, kind)
+            n_head = None
+            if hf_name.endswith("q_proj.weight"):
+                n_head = heads
+            elif hf_name.endswith("k_proj.weight"):
+                n_head = kv_heads
+            if n_head is not None:
+                codes, scales = unpermute_rotary(codes, n_head), unpermute_rotary(scales, n_head)
+            yield hf_name, codes
+            yield hf_name.removesuffix("weight") + "weight_scale", scales
 
     def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
         """transformers' tokenizer rebuilt from the GGUF vocabulary (takes a few seconds)."""

@@ -32,7 +32,13 @@ from compile_engine.models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
 from compile_engine.models.layers import FusedLinear, LazyTensor
 from compile_engine.models.moe import StackedExperts
 from compile_engine.models.parallel import TensorParallel, is_sharded, shard_model
-from compile_engine.models.quant import QuantConfig, QuantLinear, quant_config, quantize_model
+from compile_engine.models.quant import (
+    QuantConfig,
+    QuantLinear,
+    gguf_quant_config,
+    quant_config,
+    quantize_model,
+)
 from compile_engine.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -337,6 +343,25 @@ def dequantized_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def gguf_quantization(
+    checkpoint, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> QuantConfig | None:
+    """How a GGUF file runs: kept quantized (its projections int4/int8 quant_linears in
+    ATen's CPU int4 layout, its Q8_0 embedding a QuantEmbedding) on the CPU in bfloat16, the
+    default there (issue 29: SmolLM2's Q4_1 file decodes x2.4 faster than dequantized, see
+    docs/compiler.md); None, dequantized, for float32 / float16 (`--dtype float32`), on CUDA
+    (no GPU int4 kernel yet) and with quantization="fp8" (online FP8 of the dequantized
+    weights). The ATen kernel takes its activation in bfloat16 (float32 runs its slow path)."""
+    from compile_engine.models.gguf import QUANTIZED_TYPES
+
+    if device.type != "cpu" or dtype != torch.bfloat16 or quantization is not None:
+        return None
+    types = checkpoint.tensor_types()
+    if not any(t in QUANTIZED_TYPES for t in types.values()):
+        return None  # an F32 / F16 file
+    return gguf_quant_config(types, QUANTIZED_TYPES, "int4pack_cpu")
+
+
 def load_model(
     model: str | Path,
     *,
@@ -346,6 +371,7 @@ def load_model(
     quantization: str | None = None,
     config: ModelConfig | None = None,
     parallel: TensorParallel | None = None,
+    keep_quantized: bool = True,
 ) -> LoadedModel:
     loaded, tensors = open_model(
         model,
@@ -355,6 +381,7 @@ def load_model(
         quantization=quantization,
         config=config,
         parallel=parallel,
+        keep_quantized=keep_quantized,
     )
     load_weights(loaded.model, tensors)
     return loaded
@@ -370,6 +397,7 @@ def open_model(
     storage: bool = True,
     quantization: str | None = None,
     parallel: TensorParallel | None = None,
+    keep_quantized: bool = True,
 ) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
     """The model built with uninitialised storage (on the meta device with `storage=False`:
     `WeightRead` gives it storage), and the checkpoint's (name, tensor) pairs that
@@ -378,10 +406,13 @@ def open_model(
     transformers for one; `hf_config` is then None. quantization: None, or "fp8" (online FP8 of
     a model-dtype checkpoint); an FP8 checkpoint's own quantization_config applies either way
     (models/quant.py). With `parallel`, the model is this rank's shard and a safetensors
-    checkpoint is read slice by slice (GGUF: dequantized whole, then sliced)."""
+    checkpoint is read slice by slice (GGUF: dequantized whole, then sliced).
+    keep_quantized=False dequantizes a GGUF file whatever the dtype (the accuracy bench's
+    bfloat16 baseline); else `gguf_quantization` decides."""
     source = resolve_source(model)
     device = torch.device(device)
     hf_config = None
+    gguf_quant = None
     if source.kind == "gguf":
         from compile_engine.models.gguf import GGUFCheckpoint
 
@@ -391,7 +422,12 @@ def open_model(
         if dtype == "auto":
             dtype = dequantized_dtype(device)
         torch_dtype = resolve_dtype(dtype, config)
-        tensors = checkpoint.tensors(torch.float32)
+        if keep_quantized:
+            gguf_quant = gguf_quantization(checkpoint, device, torch_dtype, quantization)
+        if gguf_quant is not None:
+            tensors = checkpoint.quantized_tensors()
+        else:
+            tensors = checkpoint.tensors(torch.float32)
     else:
         if config is None:
             hf_config = read_hf_config(source.path)
@@ -403,6 +439,8 @@ def open_model(
     quant = None
     if source.kind == "hf":
         quant = quant_config(json.loads((source.path / "config.json").read_text()), quantization)
+    elif gguf_quant is not None:
+        quant = gguf_quant
     elif quantization is not None:
         quant = quant_config({}, quantization)
     if quant is not None and parallel is not None and parallel.world_size > 1:

@@ -15,9 +15,22 @@ reference (`quant_linear_ref`) is literally that: dequantize the weight, quantiz
 activation as the scheme says, matmul in float32, round to the activation dtype. It runs on any
 device (torch 2.13's CPU has float8_e4m3fn tensors) and is every lowering's oracle.
 
-The weight-only 4-bit issue adds int4/int8 weights to the same op: a new `QuantScheme.weight`
-value and its dequantize; the op's schema (x, weight, weight_scale, input_scale, bias, scheme)
-stays.
+Integer weight-only schemes (issue 29) use the same op and schema, activation "none", one scale
+per group of `group` (32/64/128) consecutive input columns of a row:
+
+- int8: q int8, w = s * q; scale [N, G] float32 (GGUF Q8_0);
+- uint8: q 0..255, w = s * q + m; scale [N, G, 2] = (s, m) float32;
+- int4: q 0..15, w = s * (q - 8); scale [N, G] float32 (GGUF Q4_0, symmetric GPTQ);
+- uint4: q 0..15, w = s * q + m; scale [N, G, 2] = (s, m) float32 (GGUF Q4_1; a zero point z
+  is m = -z * s).
+
+Each rounds as gguf's dequantize does (one product, then the add), so the reference's weight is
+the file's fp32 weight bit for bit. Layouts: "plain" (4-bit: two codes a byte, even k in the low
+nibble) and "int4pack_cpu", ATen's CPU int4 GEMM layout (`_weight_int4pack_mm_for_cpu`): rows
+in blocks of 64, byte [b, k, j] = q[64b + j, k] | q[64b + 32 + j, k] << 4 viewed as [N, K / 2],
+with (scale, zero) [G, N, 2] in the model dtype and w = (q - 8) * scale + zero, i.e. zero =
+m + 8 s rounded to that dtype: that rounding is the layout's only change to the weights.
+Checkpoints hand QuantLinear unpacked codes ([n, K], one a byte) and float32 scales; it packs.
 
 Quantization arrives by composition (STYLE 13): the model is built as usual on the meta
 device, `quantize_model` swaps each decoder Linear / FusedLinear for a `QuantLinear` of the
@@ -42,8 +55,14 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # The smallest per-token scale: an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1e-12
 
-WEIGHT_SCALES = ("tensor", "channel", "block")
+WEIGHT_SCALES = ("tensor", "channel", "block", "group")
 ACTIVATIONS = ("none", "token", "tensor")
+INT_WEIGHTS = ("int8", "uint8", "int4", "uint4")  # weight-only, per-group scales
+WEIGHTS = ("fp8_e4m3", *INT_WEIGHTS)
+GROUP_SIZES = (32, 64, 128)
+LAYOUTS = ("plain", "int4pack_cpu")
+# ATen's CPU int4 layout packs rows in blocks of this many.
+INT4PACK_BLOCK_N = 64
 
 
 class QuantizationError(UnsupportedModelError):
@@ -53,19 +72,23 @@ class QuantizationError(UnsupportedModelError):
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    """What one quantized linear computes. weight: the stored format ("fp8_e4m3"). weight_scale:
-    "tensor", "channel" or "block" (block: (block_n, block_k) in `block`). activation: "none"
-    (kept in the model dtype, W8A16), "token" (dynamic, one scale a row) or "tensor" (static,
-    the checkpoint's input_scale). Its string form (`str`, `parse`) is what the op carries."""
+    """What one quantized linear computes. weight: the stored format ("fp8_e4m3", or an integer
+    one of INT_WEIGHTS). weight_scale: "tensor", "channel" or "block" (block: (block_n, block_k)
+    in `block`) for FP8; "group" (`group` columns a scale) for the integer formats. activation:
+    "none" (kept in the model dtype: W8A16, and every integer format), "token" (dynamic, one
+    scale a row) or "tensor" (static, the checkpoint's input_scale). layout: how an integer
+    weight is stored (LAYOUTS). Its string form (`str`, `parse`) is what the op carries."""
 
     weight_scale: str
     activation: str
     block: tuple[int, int] | None = None
     weight: str = "fp8_e4m3"
+    group: int | None = None
+    layout: str = "plain"
 
     def __post_init__(self) -> None:
-        if self.weight != "fp8_e4m3":
-            raise QuantizationError(f"weight format {self.weight!r}: only fp8_e4m3 is built")
+        if self.weight not in WEIGHTS:
+            raise QuantizationError(f"weight format {self.weight!r}: one of {', '.join(WEIGHTS)}")
         if self.weight_scale not in WEIGHT_SCALES:
             raise QuantizationError(
                 f"weight scale {self.weight_scale!r}: one of {', '.join(WEIGHT_SCALES)}"
@@ -74,6 +97,22 @@ class QuantScheme:
             raise QuantizationError(
                 f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}"
             )
+        if self.layout not in LAYOUTS:
+            raise QuantizationError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.weight in INT_WEIGHTS:
+            if self.weight_scale != "group" or self.group not in GROUP_SIZES:
+                raise QuantizationError(
+                    f"{self.weight} weights take per-group scales of "
+                    f"{'/'.join(map(str, GROUP_SIZES))} columns, not {self.weight_scale} "
+                    f"(group {self.group})"
+                )
+            if self.activation != "none":
+                raise QuantizationError(f"{self.weight} weights are weight-only (activation none)")
+            if self.layout == "int4pack_cpu" and self.bits != 4:
+                raise QuantizationError("the int4pack_cpu layout holds 4-bit weights only")
+            return
+        if self.weight_scale == "group" or self.group is not None or self.layout != "plain":
+            raise QuantizationError("FP8 weights take tensor, channel or block scales, plain")
         if (self.weight_scale == "block") != (self.block is not None):
             raise QuantizationError("a block size goes with block weight scales, and only there")
         if self.block is not None and (
@@ -81,32 +120,77 @@ class QuantScheme:
         ):
             raise QuantizationError(f"block size {self.block!r}: want two whole numbers >= 1")
 
+    @property
+    def is_int(self) -> bool:
+        return self.weight in INT_WEIGHTS
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.weight.endswith("4") else 8
+
+    @property
+    def has_min(self) -> bool:
+        """An offset per group (uint formats: w = s * q + m), stored beside the scale."""
+        return self.weight in ("uint8", "uint4")
+
     def __str__(self) -> str:
         scale = self.weight_scale
         if self.block is not None:
             scale = f"block{self.block[0]}x{self.block[1]}"
-        return f"{self.weight}:{scale}:{self.activation}"
+        elif self.group is not None:
+            scale = f"group{self.group}"
+        text = f"{self.weight}:{scale}:{self.activation}"
+        return text if self.layout == "plain" else f"{text}:{self.layout}"
 
     @classmethod
     def parse(cls, text: str) -> QuantScheme:
-        try:
-            weight, scale, activation = text.split(":")
-        except ValueError:
-            raise QuantizationError(
-                f"quant scheme {text!r}: want weight:scale:activation"
-            ) from None
-        block = None
+        parts = text.split(":")
+        if len(parts) not in (3, 4):
+            raise QuantizationError(f"quant scheme {text!r}: want weight:scale:activation[:layout]")
+        weight, scale, activation = parts[:3]
+        layout = parts[3] if len(parts) == 4 else "plain"
+        block = group = None
         if match := re.fullmatch(r"block(\d+)x(\d+)", scale):
             scale, block = "block", (int(match[1]), int(match[2]))
-        return cls(scale, activation, block, weight)
+        elif match := re.fullmatch(r"group(\d+)", scale):
+            scale, group = "group", int(match[1])
+        return cls(scale, activation, block, weight, group, layout)
+
+    def weight_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
+        if self.is_int and self.bits == 4:
+            return (out_features, in_features // 2)
+        return (out_features, in_features)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return {"fp8_e4m3": FP8_DTYPE, "int8": torch.int8}.get(self.weight, torch.uint8)
 
     def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
         if self.weight_scale == "tensor":
             return ()
         if self.weight_scale == "channel":
             return (out_features,)
+        if self.weight_scale == "group":
+            groups = in_features // self.group
+            if self.layout == "int4pack_cpu":
+                return (groups, out_features, 2)
+            return (out_features, groups, 2) if self.has_min else (out_features, groups)
         bn, bk = self.block
         return (-(-out_features // bn), -(-in_features // bk))
+
+    def check_shape(self, out_features: int, in_features: int) -> None:
+        """An integer weight's shape must divide into its groups (and its layout's blocks)."""
+        if not self.is_int:
+            return
+        if in_features % self.group:
+            raise QuantizationError(
+                f"{in_features} input features do not divide into groups of {self.group}"
+            )
+        if self.layout == "int4pack_cpu" and out_features % INT4PACK_BLOCK_N:
+            raise QuantizationError(
+                f"{out_features} output features: the int4pack_cpu layout packs rows in blocks "
+                f"of {INT4PACK_BLOCK_N}; use --dtype float32 for this model"
+            )
 
 
 # --------------------------------------------------------------------------- references
@@ -143,6 +227,58 @@ def dequantize_fp8_ref(q: Tensor, scale: Tensor, scheme: str, dtype: torch.dtype
     return (q.float() * expand_scale(scale, tuple(q.shape), parsed)).to(dtype)
 
 
+def pack_int4(codes: Tensor, layout: str) -> Tensor:
+    """4-bit codes [N, K] (uint8, 0..15) -> the layout's bytes [N, K / 2]."""
+    codes = codes.to(torch.uint8)
+    n, k = codes.shape
+    if layout == "plain":
+        return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    rows = codes.reshape(n // INT4PACK_BLOCK_N, 2, INT4PACK_BLOCK_N // 2, k)  # [B, 2, 32, K]
+    low, high = rows[:, 0].transpose(1, 2), rows[:, 1].transpose(1, 2)  # [B, K, 32]
+    return (low | (high << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(weight: Tensor, layout: str) -> Tensor:
+    """The layout's bytes [N, K / 2] -> 4-bit codes [N, K] (uint8, 0..15)."""
+    n, half = weight.shape
+    low, high = weight & 15, weight >> 4
+    if layout == "plain":
+        return torch.stack([low, high], dim=-1).reshape(n, 2 * half)  # [N, K / 2, 2]
+    blocks = n // INT4PACK_BLOCK_N
+    low = low.reshape(blocks, 2 * half, INT4PACK_BLOCK_N // 2).transpose(1, 2)  # [B, 32, K]
+    high = high.reshape(blocks, 2 * half, INT4PACK_BLOCK_N // 2).transpose(1, 2)
+    return torch.cat([low, high], dim=1).reshape(n, 2 * half)
+
+
+def int4pack_scales(scale: Tensor, scheme: QuantScheme, dtype: torch.dtype) -> Tensor:
+    """Plain-layout scales ([N, G] or [N, G, 2] (s, m), float32) -> int4pack_cpu's (scale,
+    zero) [G, N, 2] in `dtype`, with w = (q - 8) * scale + zero: zero = m + 8 s (0 for int4)."""
+    if scheme.has_min:
+        s, zero = scale[..., 0].float(), scale[..., 1].float() + 8 * scale[..., 0].float()
+    else:
+        s = scale.float()
+        zero = torch.zeros_like(s)
+    return torch.stack([s, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
+
+
+def dequantize_int_ref(weight: Tensor, scale: Tensor, scheme: QuantScheme) -> Tensor:
+    """An integer weight (the scheme's format and layout) -> float32 [N, K], rounded as gguf's
+    dequantize rounds: the product, then the offset."""
+    codes = unpack_int4(weight, scheme.layout) if scheme.bits == 4 else weight
+    n, k = codes.shape
+    groups = k // scheme.group
+    q = codes.float().reshape(n, groups, scheme.group)  # [N, G, g]
+    if scheme.layout == "int4pack_cpu":
+        s, zero = scale.float().transpose(0, 1).unbind(-1)  # [N, G] each
+        return ((q - 8) * s[..., None] + zero[..., None]).reshape(n, k)
+    if scheme.has_min:
+        s, m = scale.float().unbind(-1)
+        return (q * s[..., None] + m[..., None]).reshape(n, k)
+    if scheme.weight == "int4":
+        q = q - 8
+    return (q * scale.float()[..., None]).reshape(n, k)
+
+
 def quant_linear_ref(
     x: Tensor,
     weight: Tensor,
@@ -154,7 +290,10 @@ def quant_linear_ref(
     """y = act(x) @ dequant(weight)^T (+ bias) in float32, rounded to x's dtype; act is the
     scheme's activation quantize-dequantize (or nothing for W8A16)."""
     parsed = QuantScheme.parse(scheme)
-    w = weight.float() * expand_scale(weight_scale, tuple(weight.shape), parsed)  # [N, K]
+    if parsed.is_int:
+        w = dequantize_int_ref(weight, weight_scale, parsed)  # [N, K]
+    else:
+        w = weight.float() * expand_scale(weight_scale, tuple(weight.shape), parsed)  # [N, K]
     if parsed.activation == "none":
         xf = x.float()
     else:
@@ -179,8 +318,10 @@ def quant_linear(
     bias: Tensor | None,
     scheme: str,
 ) -> Tensor:
-    """A linear layer over a quantized weight. x [..., K]; weight [N, K] (float8_e4m3fn);
-    weight_scale per `scheme` (QuantScheme: [], [N] or [cdiv(N, bn), cdiv(K, bk)], float32);
+    """A linear layer over a quantized weight. x [..., K]; weight [N, K] (float8_e4m3fn, int8,
+    uint8) or [N, K / 2] (4-bit codes in the scheme's layout); weight_scale per `scheme`
+    (QuantScheme.scale_shape: [], [N] or [cdiv(N, bn), cdiv(K, bk)] float32 for FP8, per group
+    for the integer formats);
     input_scale [] for static activations, else None; bias [N] or None. Returns [..., N] in
     x's dtype."""
     return quant_linear_ref(x, weight, weight_scale, input_scale, bias, scheme)
@@ -279,10 +420,17 @@ class QuantLinear(nn.Module):
                 f"online quantization makes per-channel weight scales and dynamic activations, "
                 f"not {scheme}"
             )
+        scheme.check_shape(out_features, in_features)
+        if scheme.is_int and online:
+            raise QuantizationError(f"{scheme}: integer weights load from a quantized checkpoint")
+        self.dtype = dtype
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+            torch.empty(scheme.weight_shape(out_features, in_features), dtype=scheme.weight_dtype),
+            requires_grad=False,
         )
-        scale = torch.empty(scheme.scale_shape(out_features, in_features), dtype=torch.float32)
+        # int4pack_cpu's scales feed ATen's kernel, which takes them in the activation's dtype.
+        scale_dtype = dtype if scheme.layout == "int4pack_cpu" else torch.float32
+        scale = torch.empty(scheme.scale_shape(out_features, in_features), dtype=scale_dtype)
         if online:
             self.register_buffer(scale_name, scale)
         else:
@@ -315,6 +463,10 @@ class QuantLinear(nn.Module):
     def load_shard(self, param: Tensor, tensor: Tensor, shard: str | None, name: str) -> None:
         start, end = self._rows(shard)
         scheme = self.quant_scheme
+        if scheme.is_int and param is not self.bias:
+            with torch.no_grad():
+                self._load_int(param, tensor, name, start, end)
+            return
         with torch.no_grad():
             if param is self.weight:
                 dst = param[start:end]
@@ -351,6 +503,40 @@ class QuantLinear(nn.Module):
                 self._load_scale(param, tensor, shard, name, start, end, scheme)
             else:  # pragma: no cover (the loader only passes this module's parameters)
                 raise CheckpointError(f"tensor {name}: no such parameter in {type(self).__name__}")
+
+    def _load_int(self, param: Tensor, tensor: Tensor, name: str, start: int, end: int) -> None:
+        """An integer checkpoint's rows start:end: `weight` as unpacked codes [n, K] (one a
+        byte), `weight_scale` as float32 [n, G] or [n, G, 2] (s, m); packed to the layout."""
+        scheme = self.quant_scheme
+        rows, k = end - start, self.in_features
+        if scheme.layout == "int4pack_cpu" and (
+            start % INT4PACK_BLOCK_N or rows % INT4PACK_BLOCK_N
+        ):
+            raise CheckpointError(
+                f"tensor {name}: rows {start}:{end} do not fall on the int4pack_cpu layout's "
+                f"blocks of {INT4PACK_BLOCK_N}"
+            )
+        if param is self.weight:
+            if tuple(tensor.shape) != (rows, k):
+                raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the model "
+                                      f"expects {(rows, k)} {scheme.weight} codes")  # fmt: skip
+            if scheme.bits == 8:
+                param[start:end].copy_(tensor.view(scheme.weight_dtype))
+            elif scheme.layout == "plain":
+                param[start:end].copy_(pack_int4(tensor, "plain"))
+            else:
+                blocks = param.view(-1, k, INT4PACK_BLOCK_N // 2)  # [N / 64, K, 32] bytes
+                b0, b1 = start // INT4PACK_BLOCK_N, end // INT4PACK_BLOCK_N
+                blocks[b0:b1].copy_(pack_int4(tensor, "int4pack_cpu").view(b1 - b0, k, -1))
+            return
+        want = (rows, k // scheme.group) + ((2,) if scheme.has_min else ())
+        if param is not self.scale or tuple(tensor.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the model "
+                                  f"expects {want} group scales")  # fmt: skip
+        if scheme.layout == "int4pack_cpu":
+            param[:, start:end].copy_(int4pack_scales(tensor, scheme, param.dtype))
+        else:
+            param[start:end].copy_(tensor)
 
     def _load_scale(
         self,
@@ -419,6 +605,45 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
 
 
+class QuantEmbedding(nn.Module):
+    """A token embedding over an integer weight (a GGUF file's Q8_0 `token_embd`), kept
+    quantized in memory: `forward` gathers the rows' codes and dequantizes only those; with tied
+    embeddings it is also the lm_head, and `logits` is a quant_linear over the same codes."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scheme: QuantScheme, dtype: torch.dtype):
+        super().__init__()
+        if not scheme.is_int or scheme.layout != "plain":
+            raise QuantizationError(f"a quantized embedding takes a plain integer scheme: {scheme}")
+        scheme.check_shape(vocab_size, hidden_size)
+        self.quant_scheme, self.scheme, self.dtype = scheme, str(scheme), dtype
+        self.in_features, self.out_features = hidden_size, vocab_size
+        shape = scheme.weight_shape(vocab_size, hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=scheme.weight_dtype), False)
+        self.weight_scale = nn.Parameter(
+            torch.empty(scheme.scale_shape(vocab_size, hidden_size), dtype=torch.float32), False
+        )
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        rows = dequantize_int_ref(self.weight[input_ids], self.weight_scale[input_ids],
+                                  self.quant_scheme)  # fmt: skip
+        return rows.to(self.dtype)  # [T, H]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [S, H] -> [S, V] in hidden's dtype."""
+        return quant_linear(hidden, self.weight, self.weight_scale, None, None, self.scheme)
+
+    def load_shard(self, param: Tensor, tensor: Tensor, shard: str | None, name: str) -> None:
+        with torch.no_grad():
+            QuantLinear._load_int(self, param, tensor, name, 0, self.out_features)
+
+    @property
+    def scale(self) -> Tensor:
+        return self.weight_scale
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.out_features}, hidden={self.in_features}, scheme={self.scheme}"
+
+
 # --------------------------------------------------------------------------- configuration
 
 
@@ -440,6 +665,9 @@ class QuantConfig:
     scheme: QuantScheme
     scale_name: str = "weight_scale"
     ignore: tuple[str, ...] = ()
+    # The token embedding's scheme when it stays quantized too (GGUF's Q8_0 token_embd, also
+    # the tied lm_head): a QuantEmbedding. None: the embedding is in the model dtype.
+    embedding: QuantScheme | None = None
 
     @property
     def online(self) -> bool:
@@ -464,6 +692,10 @@ class QuantConfig:
             "activation": self.scheme.activation,
             "scale_name": self.scale_name,
             "ignore": list(self.ignore),
+            "weight": self.scheme.weight,
+            "group": self.scheme.group,
+            "layout": self.scheme.layout,
+            "embedding": str(self.embedding) if self.embedding is not None else None,
         }
 
 
@@ -585,7 +817,8 @@ def quantized_layers(model: nn.Module, config: QuantConfig | None) -> dict | Non
     the names of its QuantLinear layers (None when the model is not quantized)."""
     if config is None:
         return None
-    layers = [name for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    kinds = (QuantLinear, QuantEmbedding)
+    layers = [name for name, m in model.named_modules() if isinstance(m, kinds)]
     return {**config.describe(), "layers": layers}
 
 
@@ -623,7 +856,36 @@ def quantize_model(model: nn.Module, config: QuantConfig) -> list[str]:
         swapped.append(name)
     if not swapped:
         raise QuantizationError(f"no layer of {arch} was quantized (is the ignore list right?)")
+    if config.embedding is not None:
+        old = model.model.embed_tokens
+        vocab, hidden = old.weight.shape
+        with torch.device(old.weight.device):
+            model.model.embed_tokens = QuantEmbedding(
+                vocab, hidden, config.embedding, old.weight.dtype
+            )
+        swapped.append("model.embed_tokens")
     return swapped
+
+
+def gguf_quant_config(types: dict[str, str], formats: dict[str, str], layout: str) -> QuantConfig:
+    """The QuantConfig of a GGUF file read quantized: `types` its tensors' GGUF types by HF
+    name, `formats` the GGUF types read as codes (gguf.QUANTIZED_TYPES: type -> weight format),
+    `layout` the 4-bit layout to pack to. Every decoder projection must have one type (a mix,
+    as Q4_K_M files hold, is refused); the embedding stays quantized if its type is read."""
+    projections = {t for name, t in types.items() if is_quantized_checkpoint_weight(name)}
+    if len(projections) != 1 or next(iter(projections)) not in formats:
+        raise QuantizationError(
+            f"GGUF projection types {sorted(projections)}: the quantized path runs files whose "
+            f"projections are all one of {', '.join(formats)}; use --dtype float32 to run this "
+            "file dequantized"
+        )
+    weight = formats[next(iter(projections))]
+    bits4 = weight.endswith("4")
+    scheme = QuantScheme("group", "none", weight=weight, group=32,
+                         layout=layout if bits4 else "plain")  # fmt: skip
+    embd = formats.get(types.get("model.embed_tokens.weight", ""))
+    embedding = QuantScheme("group", "none", weight=embd, group=32) if embd else None
+    return QuantConfig("gguf", scheme, embedding=embedding)
 
 
 # --------------------------------------------------------------------------- writing checkpoints
