@@ -218,9 +218,10 @@ def build_artifact(
         say(name, extra_s[f"{name}_s"])
 
     weights_path = None
-    if loaded.source.kind == "gguf":
+    if loaded.source.kind == "gguf" and loaded.quant is None:
         # GGUF needs parsing and dequantisation at every load; the artifact keeps the result
         # (whole, under tensor parallelism too: each rank of a serve reads its slices of it).
+        # Kept quantized, it loads from the file itself (the blocks are read, not converted).
         whole = loaded.model if parallel is None else load_model(model, dtype=dtype).model
         export_hf_checkpoint(whole, loaded.hf_config, out / WEIGHTS_SUBDIR)
         weights_path = WEIGHTS_SUBDIR

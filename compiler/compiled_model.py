@@ -23,8 +23,10 @@ from torch import nn
 
 from compile_engine.compiler.backend import PiecewiseBackend
 from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
+from compile_engine.kernels_generated.int_linear_cpu import Q8Logits
 from compile_engine.models import vocabulary
 from compile_engine.models.layers import AttentionMetadata
+from compile_engine.models.quant import QuantEmbedding
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.manager import PassManager
 from compile_engine.passes.registry import select
@@ -136,6 +138,17 @@ class CompiledForward:
             options={"guard_filter_fn": _drop_all_guards},
         )
         self.capture_seconds = 0.0
+        # A quantized tied lm_head (GGUF Q8_0) on the CPU: its GEMV compiled apart, since the
+        # lm_head runs outside the graph (kernels_generated/int_linear_cpu.py says why).
+        self._logits = None
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if (
+            config.target == "cpu"
+            and isinstance(embed, QuantEmbedding)
+            and getattr(model, "lm_head", True) is None
+            and embed.quant_scheme.weight == "int8"
+        ):
+            self._logits = Q8Logits(embed)
         # What Inductor's caches did during capture (counts of pieces): at load every piece
         # should be an AOTAutograd hit, which implies an FX-graph hit and no compile.
         self.cache_stats: dict[str, int] = {}
@@ -181,6 +194,10 @@ class CompiledForward:
             dynamo_config.patch(no_gc),
         ):
             self._fn(ids, positions, kv_caches, meta)
+            if self._logits is not None:
+                self._logits.warm(
+                    self.model.config.hidden_size, self.model.model.embed_tokens.dtype
+                )
         self.backend.before_first_run = None
         self.capture_seconds = time.perf_counter() - start
         after = _cache_counts()
@@ -208,6 +225,12 @@ class CompiledForward:
             "before_first_run_s": waited,
             "after_backend_s": self.capture_seconds - stats.trace_seconds - stats.seconds - waited,
         }
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's compute_logits, or the compiled quantized lm_head's GEMV."""
+        if self._logits is not None:
+            return self._logits(hidden)
+        return self.model.compute_logits(hidden)
 
     @property
     def recompilations(self) -> int:

@@ -17,8 +17,11 @@ layer of a Llama-family model). Emits, on h100 in bf16/fp16:
   per (N, K, rows) in configs/fp8_gemm.json; above 16 rows `torch._scaled_mm` (tensor-wise or
   row-wise scales), or for block scales and W8A16 the same Triton kernel on tensor-core tiles.
 
-On cpu: the reference (`quant_linear_ref`: dequantize, matmul in float32), which Inductor
-traces and fuses like any other, so a CPU build runs FP8 checkpoints exactly as the oracle does.
+On cpu: 4-bit weights in the int4pack_cpu layout (a GGUF file's Q4_0 / Q4_1 projections,
+kept quantized: models/loader.py) -> `int4pack_linear` (kernels_generated/int_linear_cpu.py:
+ATen's int4 GEMM, dequantizing in registers); anything else -> the reference (`quant_linear_ref`:
+dequantize, matmul in float32), which Inductor traces and fuses like any other, so a CPU build
+runs FP8 and int8 checkpoints exactly as the oracle does.
 
 Not done (issue 28's later parts): the activation's quantization fused into our own Triton
 kernels (the add_rms_norm_into_gemm fusion of the bf16 path has no FP8 form yet, so an FP8
@@ -33,6 +36,7 @@ import operator
 import torch
 from torch import fx
 
+from compile_engine.kernels_generated.int_linear_cpu import int4pack_linear
 from compile_engine.models.ops import silu_and_mul_ref
 from compile_engine.models.quant import QuantScheme, quant_linear_ref
 from compile_engine.passes.base import GraphPass, PassContext, op_nodes
@@ -52,6 +56,7 @@ class QuantizedGemm(GraphPass):
         "kernels_generated/fp8_linear.py",
         "kernels_generated/skinny_gemm.py",
         "kernels_generated/configs/fp8_gemm.json",
+        "kernels_generated/int_linear_cpu.py",
     )
 
     def applies(self, ctx: PassContext) -> bool:
@@ -62,7 +67,9 @@ class QuantizedGemm(GraphPass):
         nodes = op_nodes(graph, "quant_linear")
         if ctx.target == "cpu":
             for node in nodes:
-                node.target = quant_linear_ref
+                # 4-bit weights in ATen's CPU layout: its int4 GEMM; the rest: the reference.
+                layout = QuantScheme.parse(node.args[5]).layout
+                node.target = int4pack_linear if layout == "int4pack_cpu" else quant_linear_ref
             return len(nodes)
         import compile_engine.kernels_generated.fp8_linear  # noqa: F401  (registers the op)
 

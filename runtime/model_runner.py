@@ -286,7 +286,11 @@ class ModelRunner:
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         self.kv_caches = kv_caches
         self.forward = forward or self.model.forward
-        self.compute_logits = compute_logits or self.model.compute_logits
+        # Tensor parallelism's gathered head, else the compiled forward's (a quantized
+        # lm_head's compiled GEMV), else the model's.
+        self.compute_logits = (
+            compute_logits or getattr(forward, "compute_logits", None) or self.model.compute_logits
+        )
         self.graphs = graphs
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}

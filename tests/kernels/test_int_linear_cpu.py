@@ -1,0 +1,44 @@
+"""kernels_generated/int_linear_cpu.py against the references: ATen's CPU int4 GEMM over the
+int4pack_cpu layout (bfloat16 activations: within the output's bfloat16 rounding, the only
+difference being the order of float32 accumulation) and the Q8_0 lm_head GEMV (float32:
+within float32 rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile_engine.kernels_generated.int_linear_cpu import int4pack_linear, int8_group_logits
+from compile_engine.models.quant import QuantScheme, pack_int4, quant_linear_ref
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4pack_linear_equals_reference(group: int, rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(group + rows)
+    n, k = 192, 256
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(k // group, n, 2, generator=g) * 0.05).bfloat16()
+    scheme = str(QuantScheme("group", "none", weight="uint4", group=group, layout="int4pack_cpu"))
+    weight = pack_int4(codes, "int4pack_cpu")
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    ours = int4pack_linear(x, weight, scale, None, b, scheme)
+    want = quant_linear_ref(x, weight, scale, None, b, scheme)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    # both accumulate in float32; the outputs differ by at most a bfloat16 rounding or two
+    tol = 2 * 2**-8 * want.float().abs().amax(dim=-1, keepdim=True) + 1e-3
+    assert ((ours.float() - want.float()).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_group_logits_equals_reference(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    n, k = 320, 96
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.01
+    x = torch.randn(rows, k, generator=g)
+    ours = int8_group_logits(x, codes, scale)
+    want = quant_linear_ref(x, codes, scale, None, None, "int8:group32:none")
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
