@@ -37,6 +37,7 @@ SPLIT_OP_NAMES = (
     "ce::paged_attention",
     "ce_kernels::paged_attention",
     "ce_kernels::paged_attention_rotary",
+    "ce_kernels::paged_attention_cpu",
     "ce::mla_attention",
     "ce::mla_latent_attention",
     "ce_kernels::mla_latent_attention",

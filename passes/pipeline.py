@@ -42,6 +42,7 @@ PIPELINE: tuple[tuple[str, str], ...] = (
         "quantize_fp8 nodes it adds",
     ),
     ("paged_attention_triton", "the attention nodes that rotary_into_attention left"),
+    ("paged_attention_cpu", "the attention nodes on cpu (no other cpu pass matches them)"),
     ("rms_norm_triton", "the norms that add_rms_norm_into_gemm left"),
     ("rotary_triton", "the rotary nodes that rotary_into_attention left"),
     (

@@ -1,0 +1,105 @@
+"""Paged attention on the CPU for decode steps: the reference's arithmetic in few ATen calls.
+
+`ce.paged_attention`'s reference (models/ops.py) is written to be read: per step it walks the
+batch in Python, builds index tensors from lists and treats decode and prefill rows apart.
+On the 2-core CPU that is ~490 us a layer for one decode token over a 40-token context (issue
+29's profile of SmolLM2: 14.7 ms of a 47 ms step), nearly all of it dispatch and Python. A
+step in which every sequence has exactly one new token (decode, the step the latency target
+times) needs none of that: the K/V write is one indexed store, the context one gather of the
+block table's first blocks, the mask one compare, then the same SDPA call. Other steps
+(prefill, mixed) run the reference. The output equals the reference's: same gather, same
+mask, same SDPA (tests/kernels/test_paged_attention_cpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from compile_engine.models.ops import paged_attention_ref
+
+
+def paged_attention_cpu_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+) -> Tensor:
+    tokens, batch = q.shape[0], seq_lens.shape[0]
+    if tokens != batch or int(query_start_loc[-1]) != tokens:  # not one new token a sequence
+        return paged_attention_ref(
+            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
+        )
+    _, num_blocks, block_size, heads_kv, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads_kv, head_dim)
+    flat[:, slot_mapping] = torch.stack([k, v]).to(kv_cache.dtype)  # [2, T, Hkv, D]
+    max_len = int(seq_lens.max())
+    blocks = -(-max_len // block_size)
+    context = kv_cache[:, block_tables[:, :blocks]]  # [2, B, nb, bs, Hkv, D]
+    context = context.flatten(2, 3)[:, :, :max_len].transpose(2, 3).to(q.dtype)  # [2,B,Hkv,L,D]
+    mask = None
+    if batch > 1:  # one sequence attends to all max_len keys: no mask (SDPA's fast path)
+        mask = torch.arange(max_len)[None, :] < seq_lens[:, None]  # [B, L]
+        mask = mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        context[0],
+        context[1],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)  # [T, Hq, D]
+
+
+# Registered through torch.library.Library with a CPU kernel, not `custom_op`: the latter's
+# Python wrapper costs ~70 us a call here (a 50 us call became 120: 2 ms of a 30-layer step).
+_LIB = torch.library.Library("ce_kernels", "FRAGMENT")
+_LIB.define(
+    "paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, str config_key)"
+    " -> Tensor"
+)
+
+
+def _paged_attention_cpu(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    config_key: str,
+) -> Tensor:
+    """`ce.paged_attention`'s schema (plus the kernel config's key, unused here)."""
+    return paged_attention_cpu_impl(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
+    )
+
+
+_LIB.impl("paged_attention_cpu", _paged_attention_cpu, "CPU")
+
+
+@torch.library.register_fake("ce_kernels::paged_attention_cpu", lib=_LIB)
+def paged_attention_cpu_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    config_key: str,
+) -> Tensor:
+    return torch.empty_like(q)

@@ -1,0 +1,46 @@
+"""The CPU decode fast path of paged attention against the reference (models/ops.py): decode
+steps of one and several sequences, and a mixed step (which runs the reference itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_cpu_impl
+from compile_engine.models.ops import paged_attention_ref
+
+BLOCK, HQ, HKV, D, BLOCKS = 16, 6, 2, 32, 24
+
+
+def batch(q_lens: list[int], ctx: list[int], dtype: torch.dtype):
+    g = torch.Generator().manual_seed(sum(ctx))
+    t = sum(q_lens)
+    cache = torch.randn(2, BLOCKS, BLOCK, HKV, D, generator=g).to(dtype)
+    perm = torch.randperm(BLOCKS - 1, generator=g) + 1  # block 0 is the scratch block
+    tables = torch.zeros(len(ctx), 8, dtype=torch.int32)
+    slots, used = [], 0
+    for b, (q_len, length) in enumerate(zip(q_lens, ctx, strict=True)):
+        n = -(-length // BLOCK)
+        tables[b, :n] = perm[used : used + n].int()
+        used += n
+        slots += [
+            int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK for p in range(length - q_len, length)
+        ]
+    starts = torch.tensor([0] + q_lens).cumsum(0).int()
+    q = torch.randn(t, HQ, D, generator=g).to(dtype)
+    k, v = (torch.randn(t, HKV, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, cache, torch.tensor(slots), tables, torch.tensor(ctx, dtype=torch.int32), starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "q_lens,ctx", [([1], [37]), ([1], [16]), ([1, 1, 1], [5, 40, 17]), ([3, 1], [20, 9])]
+)
+def test_equals_reference(q_lens, ctx, dtype) -> None:
+    q, k, v, cache, slots, tables, lens, starts = batch(q_lens, ctx, dtype)
+    want_cache = cache.clone()
+    want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
+    ours = paged_attention_cpu_impl(q, k, v, cache, slots, tables, lens, starts, 0.125)
+    assert torch.equal(cache, want_cache)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours, want, rtol=tol, atol=tol)
