@@ -165,6 +165,7 @@ class _Start:
             needed_tokens,
             reserve,
             config.gpu_memory_utilization,
+            max_model_len=max_model_len,
         )
         if self.workers is not None:
             # Every rank's cache has the same blocks (the scheduler's block ids index all).

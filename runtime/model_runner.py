@@ -35,8 +35,11 @@ if TYPE_CHECKING:  # the speculator builds a ModelRunner for a draft model
 
 log = logging.getLogger(__name__)
 
-# CPU default KV budget, as vLLM's CPU backend: enough for long contexts, small enough for a
-# laptop. Override with num_kv_blocks.
+# CPU default KV pool: this many max_model_len sequences (fewer if max_num_seqs is), within
+# CPU_KV_BYTES. A CPU decodes a handful of streams at a useful speed, and the scheduler
+# preempts past the pool; a fixed 4 GiB (vLLM's CPU default) held SmolLM2-135M's server at
+# 5.3 GB RSS (issue 29). Override with num_kv_blocks.
+CPU_KV_SEQUENCES = 2
 CPU_KV_BYTES = 4 << 30
 # Prompt rows are scored this many at a time, so that a long prefill chunk of a request asking
 # for prompt logprobs holds [256, V] float32 logits at once (50 MB for a 49k vocabulary, 128 MB
@@ -245,17 +248,22 @@ def default_num_blocks(
     needed_tokens: int,
     reserve_bytes: int = 0,
     gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None,
 ) -> int:
     """Size the pool from memory: all of it that is useful, within the device's budget, after
     `reserve_bytes` for activations and CUDA graphs. On CUDA the budget is what keeps the
     process's use of the device (weights loaded already, so outside `free`) within
-    `gpu_memory_utilization` of its memory, as vLLM sizes it."""
+    `gpu_memory_utilization` of its memory, as vLLM sizes it. On the CPU: CPU_KV_SEQUENCES
+    sequences of `max_model_len` tokens (given), within CPU_KV_BYTES."""
     per_block = kv_bytes_per_block(loaded, block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - gpu_memory_utilization) * total - reserve_bytes
     else:
         budget = CPU_KV_BYTES
+        if max_model_len is not None:
+            blocks = -(-max_model_len // block_size) * CPU_KV_SEQUENCES + 1
+            budget = min(budget, blocks * per_block)
     useful = -(-needed_tokens // block_size) + 1
     return max(2, min(int(budget // per_block), useful))
 

@@ -7,6 +7,7 @@ import pytest
 
 from compile_engine import SamplingParams
 from compile_engine.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+from compile_engine.runtime.model_runner import CPU_KV_SEQUENCES
 
 from tiny_models import make_tiny_model
 
@@ -28,8 +29,10 @@ def _engine(directory, **kwargs) -> LLMEngine:
 
 
 def test_the_pool_holds_the_sequences_it_is_sized_for(tiny_dir):
-    # 64 tokens are 4 blocks of 16, plus the scratch block 0.
-    assert _engine(tiny_dir).scheduler.config.num_blocks == 8 * 4 + 1
+    # 64 tokens are 4 blocks of 16, plus the scratch block 0; on the CPU CPU_KV_SEQUENCES of
+    # the 8 sequences (issue 29: a 4 GiB pool held a 135M model's server at 5.3 GB).
+    assert CPU_KV_SEQUENCES < 8
+    assert _engine(tiny_dir).scheduler.config.num_blocks == CPU_KV_SEQUENCES * 4 + 1
     one = _engine(tiny_dir, kv_pool_sequences=1)
     assert one.scheduler.config.num_blocks == 4 + 1
     # ... and a request of the full length still runs in it.
