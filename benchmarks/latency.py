@@ -389,22 +389,50 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["eager", "sdpa"],
         help="attn_implementation of the HF reference",
     )
+    p.add_argument(
+        "--hf-model",
+        default=None,
+        help="the HF directory HF transformers runs for --hf-reference, for a model our engine "
+        "reads from GGUF (an HF export of the file's weights, dequantized); default: our source",
+    )
+    p.add_argument(
+        "--hf-dtype",
+        default=None,
+        help="HF's dtype for --hf-reference (float32: the issue-29 comparison of a quantized "
+        "run); default: our engine's",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for our runs and HF's alike (default: torch's); on a CPU shared "
+        "with other work one thread a core that is free beats a thread that waits on a busy one",
+    )
     p.add_argument("--name", default="latency", help="result file name prefix")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from compile_engine.models import loader
     from compile_engine.runtime.llm import LLM
 
     args = build_parser().parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     if args.max_num_seqs is None:
         args.max_num_seqs = max(batch_sizes)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     init_s = time.perf_counter() - t0
     # Checked now so that a model HF cannot load fails before the engine's runs, not after.
-    hf_path = hf_reference_path(llm.engine.loaded.source) if args.hf_reference else None
+    hf_path = None
+    if args.hf_reference:
+        hf_path = (
+            hf_reference_path(loader.ModelSource(Path(args.hf_model), "hf"))
+            if args.hf_model
+            else hf_reference_path(llm.engine.loaded.source)
+        )
     copy_rate = None
     if args.copy_rate == "measure":
         copy_rate = measure_copy_rate(llm.engine.config.device)
@@ -424,12 +452,23 @@ def main(argv: list[str] | None = None) -> int:
         payload["copy_rate_source"] = "measured"
     payload.update(model=args.model, model_config=model_summary(llm), engine=engine_settings(llm))
     payload["llm_init_s"] = init_s
+    payload["torch_threads"] = torch.get_num_threads()
     device = llm.engine.config.device
+    quant = llm.engine.loaded.quant
+    payload["quantization"] = quant.describe() if quant is not None else None
+    gguf_cpu = device.type == "cpu" and quant is not None and quant.method == "gguf"
     if hf_path is not None:
         dtype, vocab = llm.engine.loaded.dtype, llm.engine.model_config.vocab_size
+        if args.hf_dtype is not None:
+            dtype = getattr(torch, args.hf_dtype)
         left = free_engine(llm, device)
         del llm
         add_hf_reference(payload, hf_path, dtype, vocab, device, args, batch_sizes, left)
+    if gguf_cpu:  # issue 29's recorded keys
+        for b in batch_sizes:
+            payload[f"cpu_gguf_decode_bs{b}_tok_s"] = payload[f"decode_bs{b}_tok_s"]
+            if f"hf_eager_decode_bs{b}_tok_s" in payload:
+                payload[f"cpu_hf_decode_bs{b}_tok_s"] = payload[f"hf_eager_decode_bs{b}_tok_s"]
     path = write_result(args.name, payload, args.results_dir, device=device.type)
     print_latency(payload)
     print(f"wrote {path}")

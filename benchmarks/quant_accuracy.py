@@ -73,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="bench quant-accuracy", description=__doc__.splitlines()[0])
     p.add_argument("model", help="HF directory, .gguf file or alias (smollm2-135m)")
-    p.add_argument("--quantization", default="fp8", choices=["fp8"])
+    p.add_argument(
+        "--quantization",
+        default="fp8",
+        choices=["fp8", "gguf"],
+        help="gguf: a GGUF file kept quantized (int4 projections, Q8_0 embedding, bfloat16 "
+        "activations: the CPU default) against the file dequantized in --dtype",
+    )
     p.add_argument("--dtype", default="float32", help="the reference's (and the model's) dtype")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--tokens", type=int, default=2048)
@@ -89,9 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ref_logits = logits_over(reference, ids)
     del reference
-    quantized = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
+    baseline = None
+    if args.quantization == "gguf":
+        # The quantized path computes in bfloat16; the file dequantized in bfloat16 says how
+        # much of the difference is the activations' dtype, not the kept-quantized weights.
+        dequantized = load_model(args.model, dtype="bfloat16", keep_quantized=False)
+        baseline = compare(ref_logits, logits_over(dequantized, ids), ids)
+        del dequantized
+        quantized = load_model(args.model, dtype="bfloat16")
+        if quantized.quant is None or quantized.quant.method != "gguf":
+            raise SystemExit(f"{args.model} does not load kept quantized (not a quantized GGUF)")
+    else:
+        quantized = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     quant_logits = logits_over(quantized, ids)
     result = compare(ref_logits, quant_logits, ids)
+    if baseline is not None:
+        result["bfloat16_dequantized"] = baseline
     result.update(
         model=args.model,
         dtype=args.dtype,
