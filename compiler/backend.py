@@ -53,15 +53,21 @@ def is_split_node(node: fx.Node) -> bool:
     )
 
 
+# Kernel lowerings that read device values on the host as their op's reference does, by the
+# op they lower: the CPU attention's decode path reads seq_lens.
+HOST_SYNC_KERNELS = {"ce_kernels::paged_attention_cpu": "paged_attention"}
+
+
 def host_sync_ops(graph: fx.Graph) -> list[str]:
-    """The `ce` ops in `graph` whose reference synchronises with the host."""
-    found = {
-        node.target._schema.name.removeprefix("ce::")
+    """The `ce` ops in `graph` whose reference synchronises with the host (and the kernels of
+    HOST_SYNC_KERNELS, by their op's name)."""
+    names = {
+        node.target._schema.name
         for node in graph.nodes
-        if node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and node.target._schema.name.startswith("ce::")
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
     }
+    found = {n.removeprefix("ce::") for n in names if n.startswith("ce::")}
+    found |= {HOST_SYNC_KERNELS[n] for n in names if n in HOST_SYNC_KERNELS}
     return sorted(found & vocabulary.HOST_SYNC_OPS)
 
 

@@ -49,7 +49,8 @@ H100_DTYPES = (torch.bfloat16, torch.float16)
 class QuantizedGemm(GraphPass):
     name = "quantized_gemm"
     description = (
-        "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm (h100); ref (cpu)"
+        "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm (h100); "
+        "ATen int4 GEMM for 4-bit, else ref (cpu)"
     )
     targets = ("cpu", "h100")
     kernel_files = (
