@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization",
         default="fp8",
         choices=["fp8", "gguf"],
-        help="gguf: a GGUF file kept quantized (int4 projections, Q8_0 embedding, bfloat16 "
-        "activations: the CPU default) against the file dequantized in --dtype",
+        help="gguf: a GGUF file kept quantized (dtype auto on the CPU: int4 projections, Q8_0 "
+        "embedding, bfloat16 activations) against the file dequantized in --dtype",
     )
     p.add_argument("--dtype", default="float32", help="the reference's (and the model's) dtype")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization == "gguf":
         # The quantized path computes in bfloat16; the file dequantized in bfloat16 says how
         # much of the difference is the activations' dtype, not the kept-quantized weights.
-        dequantized = load_model(args.model, dtype="bfloat16", keep_quantized=False)
+        dequantized = load_model(args.model, dtype="bfloat16")  # explicit: dequantized
         baseline = compare(ref_logits, logits_over(dequantized, ids), ids)
         del dequantized
-        quantized = load_model(args.model, dtype="bfloat16")
+        quantized = load_model(args.model, dtype="auto")
         if quantized.quant is None or quantized.quant.method != "gguf":
             raise SystemExit(f"{args.model} does not load kept quantized (not a quantized GGUF)")
     else:

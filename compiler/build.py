@@ -222,7 +222,9 @@ def build_artifact(
         # GGUF needs parsing and dequantisation at every load; the artifact keeps the result
         # (whole, under tensor parallelism too: each rank of a serve reads its slices of it).
         # Kept quantized, it loads from the file itself (the blocks are read, not converted).
-        whole = loaded.model if parallel is None else load_model(model, dtype=dtype).model
+        # (An explicit dtype: a whole GGUF read with "auto" would stay quantized.)
+        shard_dtype = str(loaded.dtype).removeprefix("torch.")
+        whole = loaded.model if parallel is None else load_model(model, dtype=shard_dtype).model
         export_hf_checkpoint(whole, loaded.hf_config, out / WEIGHTS_SUBDIR)
         weights_path = WEIGHTS_SUBDIR
     tokenizer = load_tokenizer(loaded.source.kind, loaded.source.path)

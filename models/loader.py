@@ -348,10 +348,10 @@ def gguf_quantization(
 ) -> QuantConfig | None:
     """How a GGUF file runs: kept quantized (its projections int4/int8 quant_linears in
     ATen's CPU int4 layout, its Q8_0 embedding a QuantEmbedding) on the CPU in bfloat16, the
-    default there (issue 29: SmolLM2's Q4_1 file decodes x2.4 faster than dequantized, see
-    docs/compiler.md); None, dequantized, for float32 / float16 (`--dtype float32`), on CUDA
-    (no GPU int4 kernel yet) and with quantization="fp8" (online FP8 of the dequantized
-    weights). The ATen kernel takes its activation in bfloat16 (float32 runs its slow path)."""
+    default there (dtype "auto"; issue 29, docs/compiler.md); None, dequantized, for an
+    explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on CUDA (no GPU int4 kernel
+    yet), on a CPU without bfloat16 (the ATen kernel's float32 path is 30x slower) and with
+    quantization="fp8" (online FP8 of the dequantized weights)."""
     from compile_engine.models.gguf import QUANTIZED_TYPES
 
     if device.type != "cpu" or dtype != torch.bfloat16 or quantization is not None:
@@ -371,7 +371,6 @@ def load_model(
     quantization: str | None = None,
     config: ModelConfig | None = None,
     parallel: TensorParallel | None = None,
-    keep_quantized: bool = True,
 ) -> LoadedModel:
     loaded, tensors = open_model(
         model,
@@ -381,7 +380,6 @@ def load_model(
         quantization=quantization,
         config=config,
         parallel=parallel,
-        keep_quantized=keep_quantized,
     )
     load_weights(loaded.model, tensors)
     return loaded
@@ -397,7 +395,6 @@ def open_model(
     storage: bool = True,
     quantization: str | None = None,
     parallel: TensorParallel | None = None,
-    keep_quantized: bool = True,
 ) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
     """The model built with uninitialised storage (on the meta device with `storage=False`:
     `WeightRead` gives it storage), and the checkpoint's (name, tensor) pairs that
@@ -406,9 +403,9 @@ def open_model(
     transformers for one; `hf_config` is then None. quantization: None, or "fp8" (online FP8 of
     a model-dtype checkpoint); an FP8 checkpoint's own quantization_config applies either way
     (models/quant.py). With `parallel`, the model is this rank's shard and a safetensors
-    checkpoint is read slice by slice (GGUF: dequantized whole, then sliced).
-    keep_quantized=False dequantizes a GGUF file whatever the dtype (the accuracy bench's
-    bfloat16 baseline); else `gguf_quantization` decides."""
+    checkpoint is read slice by slice (GGUF: dequantized whole, then sliced). A GGUF file with
+    dtype "auto" on the CPU stays quantized (`gguf_quantization`) unless it is sharded; an
+    explicit dtype dequantizes it, as before."""
     source = resolve_source(model)
     device = torch.device(device)
     hf_config = None
@@ -419,10 +416,12 @@ def open_model(
         checkpoint = GGUFCheckpoint(source.path)
         hf_config = checkpoint.hf_config()
         config = model_class(hf_config.architectures).config_from_hf(hf_config)
-        if dtype == "auto":
+        auto = dtype == "auto"
+        if auto:
             dtype = dequantized_dtype(device)
         torch_dtype = resolve_dtype(dtype, config)
-        if keep_quantized:
+        if auto and (parallel is None or parallel.world_size == 1):
+            # Sharded, it is dequantized and sliced (QuantLinear layers are not sharded).
             gguf_quant = gguf_quantization(checkpoint, device, torch_dtype, quantization)
         if gguf_quant is not None:
             tensors = checkpoint.quantized_tensors()
