@@ -121,10 +121,11 @@ print("RESULT " + json.dumps({
 """
 
 
-# The architectures whose compiled graphs differ (tied embeddings, qkv bias, q/k norm, plain):
-# llama3-rope and mistral compile llama's graph with other data (the rope table, the window
-# that caps max_model_len), and each build and fresh load costs ~25 s of CI's 2 cores.
-ARTIFACT_ARCHS = ("llama", "llama-mha-tied", "qwen2", "qwen3")
+# Two architectures whose compiled graphs differ (plain, and q/k norm with its extra norm
+# weights); a build and fresh load costs ~40 s of CI's 2 cores, and the suite had reached 20
+# minutes. Tied embeddings and qkv bias (llama-mha-tied, qwen2) compile the same way; their
+# HF equivalence stays in test_engine_equivalence and test_compiled_greedy_equals_hf_and_eager.
+ARTIFACT_ARCHS = ("llama", "qwen3")
 
 
 @pytest.mark.parametrize("arch", ARTIFACT_ARCHS)

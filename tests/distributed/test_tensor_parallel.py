@@ -34,13 +34,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 PROMPTS = [[5], [7, 11, 13, 17, 19], [3 + (i * 7) % 90 for i in range(21)]]
 
 # case -> (maker, tensor_parallel_size, enable_expert_parallel). Together they cover each
-# sharded module and loading path: GQA split (llama-2) and replicated KV heads (llama-4), the
+# sharded module and loading path: GQA split (qwen2, qwen3) and replicated KV heads (llama-4), the
 # tied vocabulary-parallel head and qkv biases (qwen2), q/k norm with head_dim 24 (qwen3),
 # experts sliced from stacked tensors (mixtral) and from per-expert ones (deepseek, with MLA),
 # experts distributed whole from per-expert (qwen3_moe) and stacked tensors with a gated
 # shared expert and a dense layer (qwen2_moe).
 CASES = {
-    "llama-tp2": (lambda d: make_tiny_model("llama", d), 2, False),
     "llama-tp4": (lambda d: make_tiny_model("llama", d), 4, False),
     "qwen2-tp2": (lambda d: make_tiny_model("qwen2", d), 2, False),
     "qwen3-tp2": (lambda d: make_tiny_model("qwen3", d), 2, False),

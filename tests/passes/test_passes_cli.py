@@ -15,8 +15,9 @@ def test_passes_json_lists_every_family_with_description_and_targets(capsys):
     for family in FAMILIES:
         # lower_to_reference names no family: each needs a pass of its own that lowers it to
         # a kernel on the GPU target.
+        # (A family may also have CPU passes, as paged_attention_cpu.)
         passes = [r for r in rows if family in r["name"]]
-        assert passes, f"no pass for {family} in {[r['name'] for r in rows]}"
+        assert any("h100" in r["targets"] for r in passes), f"no GPU pass for {family}: {passes}"
         for row in passes:
-            assert row["description"] and "h100" in row["targets"], row
+            assert row["description"] and row["targets"], row
             assert isinstance(row["default"], bool) and len(row["uuid"]) == 16, row
