@@ -81,6 +81,7 @@ class State:
             return
         compiler = self.engine.structured.compiler
         try:
+            await asyncio.wrap_future(compiler.vocabulary())  # once; outside the time limit
             future = compiler.submit(spec)
             await asyncio.wait_for(asyncio.wrap_future(future), compiler.timeout_s)
         except TimeoutError:
