@@ -88,10 +88,13 @@ def _batch(name: str, block_size: int, dtype: torch.dtype, seed: int = 0) -> ai.
 # --------------------------------------------------------------------------- CPU (interpreter)
 
 
+# Block sizes 1 and 3 (a block per token, and one that no power-of-two shape divides); 4 and 16
+# run in the tiled cases below. The interpreter runs ~1.5 ms a program: this grid is most of the
+# CPU suite's single longest test.
 @interpreted
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["single", "split3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("block_size", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case: str, block_size: int, dtype: torch.dtype, num_splits: int):
     batch = _batch(case, block_size, dtype, seed=block_size)
