@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compile_engine.models.ops import paged_attention_ref
+from compile_engine.models.ops import paged_attention_fake, paged_attention_ref
 
 
 def paged_attention_cpu_impl(
@@ -102,4 +102,6 @@ def paged_attention_cpu_fake(
     scale: float,
     config_key: str,
 ) -> Tensor:
-    return torch.empty_like(q)
+    return paged_attention_fake(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
+    )
