@@ -41,6 +41,10 @@ from compile_engine.models.layers import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
+# A graph's (capture size, block-table width or None: the full table, sequence slots or None:
+# max_num_seqs).
+GraphKey = tuple[int, int | None, int | None]
+
 MAX_GRAPH_TOKENS = 2048  # the largest mixed batch that replays a graph, by default
 
 
@@ -96,6 +100,39 @@ def short_table_widths(
     return widths
 
 
+def prefill_rows(
+    match_counts: dict[str, int],
+    kernel_config: KernelConfig,
+    capture_sizes: list[int],
+    max_num_seqs: int,
+) -> dict[int, int]:
+    """For each capture size whose full graph runs paged attention's single-token kernel even
+    on a prefill-heavy step, the sequence slots of its prefill graph, captured beside it.
+
+    The kernel variant is chosen from shapes (`choose_tiled`: tokens >= min tokens per
+    sequence x sequence slots), and a graph's slots are max_num_seqs, so below 2 x
+    max_num_seqs tokens every captured step ran the single-token kernel: one program per
+    query token, each reading its whole context. A 416-token prompt took 31.8 ms there
+    against 13.1 ms for 512 tokens (tiled), and 416 tokens after a cached 3,680-token prefix
+    58.7 ms (H200, Llama-3-8B shape, `bench prefix --sweep`, b1428e0). The prefill graph
+    holds size // min tokens per sequence slots, so the same shapes choose the tiled kernel
+    (with the single-token kernel for the batch's one-token sequences); a step replays it
+    when its own shapes would choose tiled, which also fits it in those slots. Empty when
+    the compiled forward has no paged-attention kernel."""
+    if not any(match_counts.get(name) for name in PAGED_ATTENTION_PASSES):
+        return {}
+    from compile_engine.kernels_generated.paged_attention import choose_tiled
+
+    per_seq = kernel_config.attention.tiled_min_tokens_per_seq
+    rows = {}
+    for size in capture_sizes:
+        slots = min(size // per_seq, max_num_seqs)
+        tiled = choose_tiled(kernel_config, size, max_num_seqs)
+        if slots >= 1 and not tiled and choose_tiled(kernel_config, size, slots):
+            rows[size] = slots
+    return rows
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
@@ -107,14 +144,23 @@ class CUDAGraphRunner:
         max_blocks_per_seq: int,
         device: torch.device,
         short_widths: dict[int, int] | None = None,
+        prefill_rows: dict[int, int] | None = None,
+        kernel_config: KernelConfig | None = None,
     ) -> None:
         """short_widths: capture size -> block-table width (blocks) of its short-context graph
-        (`short_table_widths`); none by default."""
+        (`short_table_widths`); prefill_rows: capture size -> sequence slots of its prefill
+        graph (`prefill_rows`, whose kernel choice `kernel_config` makes); none by default."""
         self.forward, self.kv_caches = forward, kv_caches
         self.sizes = sorted(set(capture_sizes))
         self.short_widths = {
             size: width for size, width in (short_widths or {}).items() if size in self.sizes
         }
+        self.prefill_rows = {
+            size: rows for size, rows in (prefill_rows or {}).items() if size in self.sizes
+        }
+        if self.prefill_rows and kernel_config is None:
+            raise ValueError("prefill graphs need the kernel config whose choice they follow")
+        self.kernel_config = kernel_config
         self.max_num_seqs = max_num_seqs
         max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -125,10 +171,11 @@ class CUDAGraphRunner:
         )
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
-        # Keyed by (size, table width in blocks or None for the full table).
-        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
-        self.last_key: tuple[int, int | None] | None = None  # the graph replayed last
+        # Keyed by (size, table width in blocks or None for the full table, sequence slots
+        # or None for max_num_seqs).
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.last_key: GraphKey | None = None  # the graph replayed last
         self.pool = None
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0  # host time of the warm-up calls (part of capture_seconds)
@@ -151,30 +198,39 @@ class CUDAGraphRunner:
         short-context graphs its passes call for: what the build's warm-up and the engine's
         capture both make, so that they compile and capture the same graphs."""
         max_blocks = -(-max_model_len // block_size)
+        counts, kernel_config = compiled.pass_manager.match_counts, compiled.config.kernel
         widths = short_table_widths(
-            compiled.pass_manager.match_counts, compiled.config.kernel, num_kv_heads,
-            capture_sizes, block_size, max_blocks, device,
-        )  # fmt: skip
+            counts, kernel_config, num_kv_heads, capture_sizes, block_size, max_blocks, device
+        )
+        rows = prefill_rows(counts, kernel_config, capture_sizes, max_num_seqs)
         return cls(
             compiled, kv_caches, capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks, device=device, short_widths=widths,
+            prefill_rows=rows, kernel_config=kernel_config,
         )  # fmt: skip
 
-    def _keys(self) -> list[tuple[int, int | None]]:
-        """Every graph's key, largest size first, a size's full-table graph before its short."""
+    def _keys(self) -> list[GraphKey]:
+        """Every graph's key, largest size first; a size's full graph, then its short-context
+        one, then its prefill one."""
         keys = []
         for size in reversed(self.sizes):
-            keys.append((size, None))
+            keys.append((size, None, None))
             if size in self.short_widths:
-                keys.append((size, self.short_widths[size]))
+                keys.append((size, self.short_widths[size], None))
+            if size in self.prefill_rows:
+                keys.append((size, None, self.prefill_rows[size]))
         return keys
 
-    def _meta(self, size: int, width: int | None = None) -> AttentionMetadata:
+    def _meta(
+        self, size: int, width: int | None = None, rows: int | None = None
+    ) -> AttentionMetadata:
+        rows = self.max_num_seqs if rows is None else rows
+        tables = self.block_tables if width is None else self.block_tables[:, :width]
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables if width is None else self.block_tables[:, :width],
-            seq_lens=self.seq_lens,
-            query_start_loc=self.query_start_loc,
+            block_tables=tables[:rows],
+            seq_lens=self.seq_lens[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
         )
 
     def prepare_for_capture(self) -> None:
@@ -186,10 +242,10 @@ class CUDAGraphRunner:
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
 
-    def _warm_up(self, size: int, width: int | None = None) -> None:
+    def _warm_up(self, key: GraphKey) -> None:
         start = time.perf_counter()
-        args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
-        self.forward(*args, self._meta(size, width))
+        args = (self.input_ids[: key[0]], self.positions[: key[0]], self.kv_caches)
+        self.forward(*args, self._meta(*key))
         self.warmup_seconds += time.perf_counter() - start
 
     @torch.inference_mode()
@@ -202,8 +258,8 @@ class CUDAGraphRunner:
         ("warm-up", sizes done, sizes)."""
         self.prepare_for_capture()
         keys = self._keys()
-        for done, (size, width) in enumerate(keys, 1):
-            self._warm_up(size, width)
+        for done, key in enumerate(keys, 1):
+            self._warm_up(key)
             if progress is not None:
                 progress("warm-up", done, len(keys))
         torch.cuda.synchronize()
@@ -218,15 +274,16 @@ class CUDAGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         keys = self._keys()
         with torch.cuda.stream(stream):
-            for done, (size, width) in enumerate(keys, 1):
-                self._warm_up(size, width)  # lazy init (kernel loads, cuBLAS) outside the graph
+            for done, key in enumerate(keys, 1):
+                self._warm_up(key)  # lazy init (kernel loads, cuBLAS) outside the graph
+                size = key[0]
                 args = (self.input_ids[:size], self.positions[:size], self.kv_caches)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self.forward(*args, self._meta(size, width))
+                    out = self.forward(*args, self._meta(*key))
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[size, width], self.outputs[size, width] = graph, out
+                self.graphs[key], self.outputs[key] = graph, out
                 if progress is not None:
                     progress("cuda graphs", done, len(keys))
         torch.cuda.current_stream().wait_stream(stream)
@@ -234,16 +291,27 @@ class CUDAGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved() - before
         log.info(
-            "captured %d CUDA graphs (%d..%d tokens, %d of them short-context) in %.1f s "
-            "(%.1f s of it warm-up), %.2f GiB",
+            "captured %d CUDA graphs (%d..%d tokens, %d of them short-context, %d prefill) "
+            "in %.1f s (%.1f s of it warm-up), %.2f GiB",
             len(self.graphs),
             self.sizes[0],
             self.sizes[-1],
             len(self.short_widths),
+            len(self.prefill_rows),
             self.capture_seconds,
             self.warmup_seconds,
             self.pool_bytes / 2**30,
         )
+
+    def _key(self, size: int, num_tokens: int, num_seqs: int, width: int) -> GraphKey:
+        rows = self.prefill_rows.get(size)
+        if rows is not None and num_seqs <= rows:
+            from compile_engine.kernels_generated.paged_attention import choose_tiled
+
+            if choose_tiled(self.kernel_config, num_tokens, num_seqs):
+                return (size, None, rows)
+        short = self.short_widths.get(size)
+        return (size, short if short is not None and width <= short else None, None)
 
     def padded_size(self, num_tokens: int, num_seqs: int) -> int | None:
         if num_seqs > self.max_num_seqs or num_tokens > self.sizes[-1]:
@@ -274,15 +342,15 @@ class CUDAGraphRunner:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """Replay the graph of the smallest captured size that fits, its short-context graph
-        when the step's block table is no wider than that graph's; None if no size fits."""
-        n = input_ids.shape[0]
-        size = self.padded_size(n, meta.seq_lens.shape[0])
+        """Replay the graph of the smallest captured size that fits: its prefill graph when the
+        step's own shapes choose the tiled attention kernel, else its short-context graph when
+        the step's block table is no wider than that graph's; None if no size fits."""
+        n, num_seqs = input_ids.shape[0], meta.seq_lens.shape[0]
+        size = self.padded_size(n, num_seqs)
         if size is None:
             return None
         self.prepare_for_replay(size, input_ids, positions, meta)
-        short = self.short_widths.get(size)
-        key = (size, short if short is not None and meta.block_tables.shape[1] <= short else None)
+        key = self._key(size, n, num_seqs, meta.block_tables.shape[1])
         self.last_key = key
         self.graphs[key].replay()
         return self.outputs[key][:n]

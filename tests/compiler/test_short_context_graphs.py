@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, short_table_widths
+from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, prefill_rows, short_table_widths
 from compile_engine.kernels_generated import paged_attention as pa
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.device import CPU_SM_COUNT
@@ -78,15 +78,19 @@ class _Graph:
         self.log.append(self.key)
 
 
-def _runner(short_widths: dict[int, int]) -> tuple[CUDAGraphRunner, list]:
+def _runner(
+    short_widths: dict[int, int], prefill: dict[int, int] | None = None, sizes=(1, 4)
+) -> tuple[CUDAGraphRunner, list]:
     runner = CUDAGraphRunner(
         lambda *args: None,
         [],
-        capture_sizes=[1, 4],
+        capture_sizes=list(sizes),
         max_num_seqs=4,
         max_blocks_per_seq=20,
         device=CPU,
         short_widths=short_widths,
+        prefill_rows=prefill,
+        kernel_config=tuning.default(),
     )
     replayed: list = []
     for key in runner._keys():
@@ -108,18 +112,18 @@ def _meta(lens: list[int], width: int) -> AttentionMetadata:
 def test_a_step_within_the_short_width_replays_the_short_graph():
     runner, replayed = _runner({1: 10, 4: 10, 64: 10})  # 64 is not a capture size: dropped
     assert runner.short_widths == {1: 10, 4: 10}
-    assert runner._keys() == [(4, None), (4, 10), (1, None), (1, 10)]
+    assert runner._keys() == [(4, None, None), (4, 10, None), (1, None, None), (1, 10, None)]
     ids = torch.tensor([5, 6, 7])
     out = runner.run(ids, ids, _meta([150, 3, 160], 10))
-    assert replayed == [(4, 10)]  # the one short replay
+    assert replayed == [(4, 10, None)]  # the one short replay
     assert out.shape == (3, 2) and out[0, 0].item() == 410
     # One block wider than the short graph's table: the full-table graph.
     assert runner.run(ids[:1], ids[:1], _meta([161], 11))[0, 0].item() == 100
-    assert replayed[-1] == (1, None) and runner.last_key == (1, None)
-    assert [key for key in replayed if key[1] is not None] == [(4, 10)]  # still the one
+    assert replayed[-1] == (1, None, None) and runner.last_key == (1, None, None)
+    assert [key for key in replayed if key[1] is not None] == [(4, 10, None)]  # still the one
     # The short graph reads the first columns of the one block-table buffer the step filled.
     runner.run(ids[:2], ids[:2], _meta([20, 30], 2))
-    assert replayed[-1] == (4, 10)
+    assert replayed[-1] == (4, 10, None)
     short_view = runner._meta(4, 10).block_tables
     assert short_view.data_ptr() == runner.block_tables.data_ptr() and short_view.shape[1] == 10
     assert short_view[:2, :2].tolist() == [[1, 2], [3, 4]]
@@ -129,7 +133,7 @@ def test_without_short_widths_every_step_replays_the_full_table():
     runner, replayed = _runner({})
     ids = torch.tensor([5])
     runner.run(ids, ids, _meta([3], 1))
-    assert replayed == [(1, None)]  # no short replay
+    assert replayed == [(1, None, None)]  # no short replay
 
 
 def test_replay_inputs_fill_the_buffers_with_the_padding():
@@ -163,3 +167,46 @@ def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):
     assert [pa.unsplit_context(config, t, 8, cuda) for t in (1, 2, 16, 17)] == [160, 0, 0, 0]
     sizes = [1, 2, 4, 8, 12, 16, 24, 32]
     assert short_table_widths(PAGED, config, 8, sizes, 16, 8192, cuda) == {1: 10}
+
+
+def test_prefill_graphs_below_twice_the_slots():
+    # 8 sequence slots, tiled from 2 tokens a slot: a full graph of fewer than 16 tokens runs
+    # the single-token kernel whatever the step, so sizes 2..12 get a prefill graph of
+    # size // 2 slots (whose shapes choose tiled); 16 tokens choose tiled on the full table.
+    config = tuning.default()
+    sizes = [1, 2, 4, 8, 12, 16, 24]
+    assert prefill_rows(PAGED, config, sizes, 8) == {2: 1, 4: 2, 8: 4, 12: 6}
+    for size, slots in prefill_rows(PAGED, config, sizes, 8).items():
+        assert not pa.choose_tiled(config, size, 8) and pa.choose_tiled(config, size, slots)
+    assert prefill_rows({"mla_absorb": 3}, config, sizes, 8) == {}  # no paged attention kernel
+
+
+def test_a_prefill_heavy_step_replays_the_prefill_graph():
+    # Sizes 1, 4 and 8 on 4 slots: size 4 gets a 2-slot prefill graph; 8 tokens are tiled on
+    # the full table already.
+    runner, replayed = _runner({}, prefill_rows(PAGED, tuning.default(), [1, 4, 8], 4), (1, 4, 8))
+    assert runner.prefill_rows == {4: 2}
+    assert runner._keys() == [(8, None, None), (4, None, None), (4, None, 2), (1, None, None)]
+    ids = torch.tensor([5, 6, 7])
+    # One sequence's 3-token chunk: the step's own shapes choose tiled.
+    runner.run(ids, ids, _chunks([40], [0, 3]))
+    assert replayed[-1] == (4, None, 2)
+    meta = runner._meta(4, None, 2)  # views of the one set of buffers, 2 slots
+    assert meta.block_tables.shape == (2, 20) and meta.seq_lens.tolist() == [40, 0]
+    assert meta.query_start_loc.tolist() == [0, 3, 3]
+    assert meta.block_tables.data_ptr() == runner.block_tables.data_ptr()
+    # Three one-token decodes: the full graph (single-token kernel, its splits).
+    runner.run(ids, ids, _meta([40, 5, 9], 1))
+    assert replayed[-1] == (4, None, None)
+    # 3 tokens of 2 sequences (a chunk of 2 beside a decode) is not tiled: 3 < 2 x 2.
+    runner.run(ids, ids, _chunks([40, 5], [0, 2, 3]))
+    assert replayed[-1] == (4, None, None)
+
+
+def _chunks(lens: list[int], starts: list[int]) -> AttentionMetadata:
+    """One-block tables for sequences of `lens` with query tokens between `starts`."""
+    return dataclasses.replace(
+        _meta(lens, 1),
+        slot_mapping=torch.arange(starts[-1]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+    )

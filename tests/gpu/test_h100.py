@@ -95,20 +95,23 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
 
 
 # Mixed batches: a prompt chunk of a sequence with cached tokens beside 3 decodes. 23 tokens
-# replay the 24-token graph (single-token attention kernel); 603 replay the 768-token one,
-# whose capture shape picks the tiled prefill kernel. One decode token replays the 1-token
+# replay the 24-token size's prefill graph (12 sequence slots, so its shapes pick the tiled
+# kernel, as the step's own do), as 12 tokens after 88 cached ones replay the 12-token size's;
+# 603 replay the 768-token graph, whose full shapes pick the tiled kernel already (no prefill
+# graph above 2 x max_num_seqs tokens). One decode token replays the 1-token
 # graph's short-context version (10 blocks, one split) while its context fits 160 keys, else
 # the full table's (split-KV); 3 decodes replay the 4-token graph, which has no short version.
 @pytest.mark.parametrize(
     ("lens", "new", "graph"),
     [
-        ([25, 9, 17, 33], [20, 1, 1, 1], (24, None)),
-        ([700, 9, 17, 33], [600, 1, 1, 1], (768, None)),
-        ([150, 40, 160], [1, 1, 1], (4, None)),
-        ([100], [1], (1, 10)),
-        ([160], [1], (1, 10)),
-        ([161], [1], (1, None)),
-        ([1500], [1], (1, None)),
+        ([25, 9, 17, 33], [20, 1, 1, 1], (24, None, 12)),
+        ([100], [12], (12, None, 6)),
+        ([700, 9, 17, 33], [600, 1, 1, 1], (768, None, None)),
+        ([150, 40, 160], [1, 1, 1], (4, None, None)),
+        ([100], [1], (1, 10, None)),
+        ([160], [1], (1, 10, None)),
+        ([161], [1], (1, None, None)),
+        ([1500], [1], (1, None, None)),
     ],
 )
 def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, new, graph):
