@@ -92,6 +92,14 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _step_masks(r: dict) -> str:
+    """A structured record's per-step mask times (records before 2026-12-02 timed only steps,
+    under the one-mask keys)."""
+    if "grammar_step_mask_p50_ms" not in r:
+        return "—"
+    return f"{r['grammar_step_mask_p50_ms']:.2f} / {r['grammar_step_mask_p99_ms']:.2f}"
+
+
 def _fmt(value) -> str:
     if value is None:
         return "—"
@@ -326,7 +334,8 @@ def _details(r: dict) -> list[str]:
     elif kind == "structured":
         batch = r["batch"]
         header = ["batch", "requests", "plain tok/s", "JSON schema tok/s", "overhead"]
-        header += ["mask ms p50 / p99 / max", "compile ms p50 / p99", "grammar accepts"]
+        header += ["one mask ms p50 / p99 / max", "a step's masks ms p50 / p99"]
+        header += ["compile ms p50 / p99", "grammar accepts"]
         row = [
             str(batch),
             f"{r['num_requests']} x ({r['input_len']} / {r['output_len']}), {r['repeats']} each",
@@ -335,6 +344,7 @@ def _details(r: dict) -> list[str]:
             f"{r[f'structured_overhead_bs{batch}']:.1%}",
             f"{r['grammar_mask_p50_ms']:.2f} / {r['grammar_mask_p99_ms']:.2f} / "
             f"{r['grammar_mask_max_ms']:.2f}",
+            _step_masks(r),
             f"{r['grammar_compile_p50_ms']:.2f} / {r['grammar_compile_p99_ms']:.2f}",
             f"{r.get('json_schema_accepted', '—')} / {r.get('json_schema_answers', '—')}",
         ]
