@@ -117,15 +117,18 @@ def prefill_rows(
     58.7 ms (H200, Llama-3-8B shape, `bench prefix --sweep`, b1428e0). The prefill graph
     holds size // min tokens per sequence slots, so the same shapes choose the tiled kernel
     (with the single-token kernel for the batch's one-token sequences); a step replays it
-    when its own shapes would choose tiled, which also fits it in those slots. Empty when
-    the compiled forward has no paged-attention kernel."""
+    when its own shapes would choose tiled, which also fits it in those slots. Sizes from
+    `attention.prefill_graph_min_tokens` (below it a short chunk after a long cached prefix
+    runs faster on the single-token kernel's splits). Empty when the compiled forward has no
+    paged-attention kernel."""
     if not any(match_counts.get(name) for name in PAGED_ATTENTION_PASSES):
         return {}
     from compile_engine.kernels_generated.paged_attention import choose_tiled
 
     per_seq = kernel_config.attention.tiled_min_tokens_per_seq
     rows = {}
-    for size in capture_sizes:
+    least = kernel_config.attention.prefill_graph_min_tokens
+    for size in (s for s in capture_sizes if s >= least):
         slots = min(size // per_seq, max_num_seqs)
         tiled = choose_tiled(kernel_config, size, max_num_seqs)
         if slots >= 1 and not tiled and choose_tiled(kernel_config, size, slots):

@@ -169,22 +169,30 @@ def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):
     assert short_table_widths(PAGED, config, 8, sizes, 16, 8192, cuda) == {1: 10}
 
 
+def _prefill_from(tokens: int) -> KernelConfig:
+    return KernelConfig.coerce({"attention": {"prefill_graph_min_tokens": tokens}})
+
+
 def test_prefill_graphs_below_twice_the_slots():
     # 8 sequence slots, tiled from 2 tokens a slot: a full graph of fewer than 16 tokens runs
     # the single-token kernel whatever the step, so sizes 2..12 get a prefill graph of
     # size // 2 slots (whose shapes choose tiled); 16 tokens choose tiled on the full table.
-    config = tuning.default()
+    config = _prefill_from(1)
     sizes = [1, 2, 4, 8, 12, 16, 24]
     assert prefill_rows(PAGED, config, sizes, 8) == {2: 1, 4: 2, 8: 4, 12: 6}
     for size, slots in prefill_rows(PAGED, config, sizes, 8).items():
         assert not pa.choose_tiled(config, size, 8) and pa.choose_tiled(config, size, slots)
     assert prefill_rows({"mla_absorb": 3}, config, sizes, 8) == {}  # no paged attention kernel
+    # The default starts at 32 tokens: serve's 256 slots give 32..480 tokens one each.
+    assert prefill_rows(PAGED, _prefill_from(8), sizes, 8) == {8: 4, 12: 6}
+    serve = prefill_rows(PAGED, tuning.default(), list(range(16, 1025, 16)), 256)
+    assert min(serve) == 32 and max(serve) == 496 and serve[416] == 208
 
 
 def test_a_prefill_heavy_step_replays_the_prefill_graph():
     # Sizes 1, 4 and 8 on 4 slots: size 4 gets a 2-slot prefill graph; 8 tokens are tiled on
     # the full table already.
-    runner, replayed = _runner({}, prefill_rows(PAGED, tuning.default(), [1, 4, 8], 4), (1, 4, 8))
+    runner, replayed = _runner({}, prefill_rows(PAGED, _prefill_from(4), [1, 4, 8], 4), (1, 4, 8))
     assert runner.prefill_rows == {4: 2}
     assert runner._keys() == [(8, None, None), (4, None, None), (4, None, 2), (1, None, None)]
     ids = torch.tensor([5, 6, 7])

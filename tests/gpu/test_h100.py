@@ -37,6 +37,8 @@ def llm_4layers(llama8b_4layers):
         # Graphs up to 1,024 tokens: 768 and 1,024 are the sizes above 512, where steps with
         # prompt chunks replay a graph too (MAX_GRAPH_TOKENS).
         max_num_batched_tokens=1024,
+        # Prefill graphs from 8 tokens (default 32: below 2 x 16 slots none would be made).
+        kernel_config={"attention": {"prefill_graph_min_tokens": 8}},
     )
 
 
