@@ -249,6 +249,7 @@ class DeepseekModel(LlamaModel):
             DeepseekDecoderLayer(config, i, rotary_emb) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_hidden_layers: tuple[int, ...] = ()  # LlamaModel's: none by default
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -15,6 +15,7 @@ A pre-norm decoder over a packed batch of T tokens from many sequences:
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from compile_engine.models.config import ModelConfig, config_from_hf
@@ -65,6 +66,9 @@ class LlamaModel(nn.Module):
             DecoderLayer(config, rotary_emb) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 heads read the residual stream entering these layers (`expose_aux_hidden_
+        # states`); none by default.
+        self.aux_hidden_layers: tuple[int, ...] = ()
 
     def forward(
         self,
@@ -75,9 +79,19 @@ class LlamaModel(nn.Module):
     ) -> Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux: dict[int, Tensor] = {}  # layer id -> the residual stream entering it
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in self.aux_hidden_layers:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if len(self.layers) in self.aux_hidden_layers:
+            aux[len(self.layers)] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
+        if aux:
+            # In the order asked (a head's fc reads them so), one tensor out, so that compiled
+            # pieces and CUDA graphs keep one output buffer.
+            states = [aux[i] for i in self.aux_hidden_layers]
+            return torch.cat([hidden, *states], dim=-1)  # [T, H + A H]
         return hidden  # [T, H]
 
 
@@ -115,6 +129,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def expose_aux_hidden_states(self, layers: tuple[int, ...]) -> None:
+        """Make forward return [T, H + len(layers) H]: the final hidden states, then the
+        residual stream entering each of `layers` (id num_layers: the last layer's output
+        before the norm), which an EAGLE-3 head reads (runtime/speculative_heads.py). Set
+        before the forward is compiled: the graph captures the wider output."""
+        self.model.aux_hidden_layers = tuple(layers)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's paged KV cache: K and V per token slot; block 0 is the runtime's
