@@ -8,6 +8,8 @@ neither an fp32 8B model nor a full bf16 copy is ever held. Norm weights are one
 init, so activations keep a sane scale through 32 layers.
 
     compile-engine bench make-model llama3-8b --out /tmp/llama3-8b --device cuda
+    compile-engine bench make-model llama3-8b-eagle3 --out /tmp/llama3-8b-eagle3 --device cuda
+    compile-engine bench make-model deepseek-v3 --layers 3 --out /tmp/dsv3 --device cuda
 
 `--quantize LAYOUT` writes an FP8 checkpoint instead (models/quant.py's CHECKPOINT_LAYOUTS):
 `ct-channel` is compressed-tensors FP8_DYNAMIC as llm-compressor saves it (per-channel weight
@@ -82,6 +84,54 @@ PRESETS: dict[str, tuple[str, dict]] = {
             dtype="bfloat16",
         ),
     ),
+    # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3) with its one MTP layer, which
+    # make_model writes at layer index num_hidden_layers; cut it with --layers (3: the dense
+    # layers, then the MTP layer at index 3 is MoE as V3's layer 61 is; ~30 GB in bf16).
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        dict(
+            architectures=["DeepseekV3ForCausalLM"],
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_nextn_predict_layers=1,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            n_shared_experts=1,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            routed_scaling_factor=2.5,
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            first_k_dense_replace=3,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            rope_interleave=True,
+            attention_bias=False,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+            dtype="bfloat16",
+        ),
+    ),
     # For CPU smoke tests: Llama-3 layout at toy width, float32 (what the CPU path runs).
     "tiny-llama": (
         "LlamaConfig",
@@ -110,6 +160,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 def hf_config(preset: str, layers: int | None = None):
     import transformers
 
+    if preset.endswith("-eagle3") and preset.removesuffix("-eagle3") in PRESETS:
+        preset = preset.removesuffix("-eagle3")
     if preset not in PRESETS:
         raise SystemExit(f"unknown model {preset!r}; choose one of {', '.join(PRESETS)}")
     cls_name, values = PRESETS[preset]
@@ -126,7 +178,14 @@ def tensor_specs(config) -> list[tuple[str, tuple[int, ...]]]:
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    specs = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    # DeepSeek-V3's router bias is a buffer that save_pretrained writes.
+    specs += [
+        (name, tuple(b.shape))
+        for name, b in model.named_buffers()
+        if name.endswith("e_score_correction_bias")
+    ]
+    return specs + mtp_tensor_specs(config)
 
 
 def plan_shards(
@@ -233,9 +292,158 @@ def make_model(
     return out
 
 
+# -- draft heads ----------------------------------------------------------------------------
+# `<preset>-eagle3` writes an EAGLE-3 head for that preset's target, in the layout published
+# for Llama-3.1-8B (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: one layer, a 32000-token draft
+# vocabulary, models/eagle3.py); a preset whose config has num_nextn_predict_layers gets its
+# MTP layer(s) at layer index num_hidden_layers, as DeepSeek-V3's checkpoint holds them.
+EAGLE3_DRAFT_VOCAB = 32000
+
+
+def eagle3_config(
+    target: dict, draft_vocab_size: int = EAGLE3_DRAFT_VOCAB, aux_layer_ids: list | None = None
+) -> dict:
+    """The head's config.json for a target's config.json (as a dict)."""
+    keep = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "bos_token_id",
+        "eos_token_id",
+        "hidden_act",
+    )
+    config = {k: target[k] for k in keep if target.get(k) is not None}
+    config.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        num_hidden_layers=1,
+        draft_vocab_size=min(draft_vocab_size, target["vocab_size"]),
+        tie_word_embeddings=False,
+        torch_dtype=str(target.get("dtype") or target.get("torch_dtype") or "float32"),
+    )
+    if aux_layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    return config
+
+
+def eagle3_tensors(
+    config: dict,
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+    *,
+    std: float = 0.02,
+    constant: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Random tensors of the head's published names and shapes (host tensors). d2t maps a
+    random sorted subset of the target vocabulary (always holding token 0); `constant` zeroes
+    the final norm, so that every draft is draft id 0, target token 0."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    draft_vocab = config["draft_vocab_size"]
+    shapes = {
+        "fc.weight": (h, 3 * h),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "norm.weight": (h,),
+        "lm_head.weight": (draft_vocab, h),
+    }
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.randn(shape, dtype=dtype, device=device, generator=gen)
+        if name.endswith("norm.weight"):
+            t = 1 + 0.1 * t if std > 0.02 else torch.ones_like(t)
+        else:
+            t = t * std
+        tensors[name] = t.cpu()
+    if constant:
+        tensors["norm.weight"].zero_()
+    order = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(0)) + 1
+    ids = torch.cat([torch.zeros(1, dtype=torch.long), order[: draft_vocab - 1]]).sort().values
+    tensors["d2t"] = ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    return tensors
+
+
+def make_eagle3_head(
+    preset: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None, seed: int = 0
+) -> Path:
+    """Write a random EAGLE-3 head for `preset`'s target shape to `out`."""
+    from safetensors.torch import save_file
+
+    target = hf_config(preset).to_dict()
+    config = eagle3_config(target)
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = eagle3_tensors(config, _DTYPES[config["torch_dtype"]], device, gen)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def mtp_tensor_specs(config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the MTP layers' tensors: decoder layers at index num_hidden_layers..
+    (as the HF class would build them there: MoE past first_k_dense_replace) with enorm,
+    hnorm, eh_proj and shared_head, and the copies of the embedding and head they carry."""
+    import copy
+
+    import transformers
+
+    n = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    if not n:
+        return []
+    layers = config.num_hidden_layers
+    longer = copy.deepcopy(config)
+    longer.num_hidden_layers = layers + n
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(longer)
+    h, vocab = config.hidden_size, config.vocab_size
+    specs = []
+    for index in range(layers, layers + n):
+        prefix = f"model.layers.{index}."
+        layer = model.model.layers[index]
+        state = layer.state_dict()
+        specs += [(prefix + name, tuple(t.shape)) for name, t in state.items()]
+        specs += [
+            (prefix + "enorm.weight", (h,)),
+            (prefix + "hnorm.weight", (h,)),
+            (prefix + "eh_proj.weight", (h, 2 * h)),
+            (prefix + "shared_head.norm.weight", (h,)),
+            (prefix + "shared_head.head.weight", (vocab, h)),
+            (prefix + "embed_tokens.weight", (vocab, h)),
+        ]
+    return specs
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench make-model", description=__doc__.splitlines()[0])
-    p.add_argument("preset", choices=sorted(PRESETS))
+    p.add_argument(
+        "preset",
+        choices=sorted([*PRESETS, *(f"{name}-eagle3" for name in PRESETS)]),
+        help="a target shape, or <target>-eagle3: an EAGLE-3 head for it",
+    )
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--device", default="cpu", help="where to draw the tensors (cuda is fast)")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
@@ -253,6 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
+    if args.preset.endswith("-eagle3"):
+        out = make_eagle3_head(
+            args.preset.removesuffix("-eagle3"),
+            args.out,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+        )
+        size = (out / "model.safetensors").stat().st_size
+        print(f"wrote {out} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
+        return 0
     out = make_model(
         args.preset,
         args.out,

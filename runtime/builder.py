@@ -44,6 +44,7 @@ from compile_engine.runtime.parallel import (
 from compile_engine.runtime.reasoning_parsers import reasoning_parser
 from compile_engine.runtime.scheduler import InvalidSchedulerConfig, Scheduler, SchedulerConfig
 from compile_engine.runtime.speculative import build_speculator, load_draft, share_kv_pool
+from compile_engine.runtime.speculative_heads import load_head
 from compile_engine.runtime.structured_output import GrammarCompiler, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class _Start:
         spec = config.speculative_config
         mark = time.perf_counter()
         draft = load_draft(spec, loaded, device, max_model_len)  # before the pool is sized
+        # An EAGLE-3 head makes the target return its aux hidden states: before the capture.
+        head = load_head(spec, loaded, device, max_model_len)
         self.phase("draft_model_s", mark)
         mark = time.perf_counter()
         needed_tokens = max_model_len * (config.kv_pool_sequences or config.max_num_seqs)
@@ -172,8 +175,9 @@ class _Start:
             num_blocks = self.workers.sizing(
                 needed_tokens, reserve, config.num_kv_blocks, num_blocks
             )
-        if draft is not None and config.num_kv_blocks is None:
-            num_blocks = share_kv_pool(num_blocks, loaded, draft, config.block_size)
+        beside = draft or head
+        if beside is not None and config.num_kv_blocks is None:
+            num_blocks = share_kv_pool(num_blocks, loaded, beside, config.block_size)
         try:
             scheduler = Scheduler(
                 SchedulerConfig(
@@ -245,6 +249,8 @@ class _Start:
                 compile_config=None
                 if eager
                 else CompileConfig(config.target, kernel=KernelConfig.coerce(config.kernel_config)),
+                head=head,
+                target=loaded,
             )
             self.phase("draft_model_s", mark)
         runner = ModelRunner(

@@ -464,6 +464,8 @@ class ModelRunner:
             return InFlightStep(step, [], None, None, None)
         inputs = self.prepare(step)
         hidden = self._run_model(self._input_ids(inputs, previous), inputs.positions, inputs.meta)
+        if self.speculator is not None:
+            hidden = self.speculator.observe(step.scheduled, hidden)  # a head keeps features
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling and inputs.prompt_rows is None:
             return InFlightStep(step, [], None, None, None)

@@ -17,6 +17,8 @@ request's drafts to those it accepts (runtime/structured_output.py, `check_draft
   verification accepted), then runs k - 1 one-token steps; greedy requests take its argmax
   (a point mass), sampled ones draw from its distribution q with their own parameters, which
   the verifier needs (min(1, p / q)). The drafts come to the host once, after the k forwards.
+- `HeadProposer` (runtime/speculative_heads.py): an EAGLE-3 head or DeepSeek's MTP layer over
+  the target's hidden states, which the runner hands over each step (`observe`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from compile_engine.runtime.request import Request
 from compile_engine.runtime.sampler import Sampler, SamplingBatch, exponential_race
 from compile_engine.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from compile_engine.runtime.speculative_config import SpeculativeConfig
+from compile_engine.runtime.speculative_heads import HeadProposer
 
 # Mixed into a seeded request's seed for its draft generator, so that the draft's draws are not
 # the same stream as the target's acceptance tests.
@@ -257,7 +260,7 @@ class Speculator:
     """The engine's speculative decoding: a proposer and the policy of who gets drafts."""
 
     def __init__(
-        self, config: SpeculativeConfig, proposer: NgramProposer | DraftModelProposer
+        self, config: SpeculativeConfig, proposer: NgramProposer | DraftModelProposer | HeadProposer
     ) -> None:
         self.config = config
         self.proposer = proposer
@@ -274,6 +277,9 @@ class Speculator:
         keeps those it accepts)."""
         for request in running:
             request.spec_token_ids = []
+        if isinstance(self.proposer, HeadProposer):
+            # A head reads the features of every computed position, drafting this step or not.
+            self.proposer.catch_up()
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return
@@ -321,7 +327,7 @@ class Speculator:
     @property
     def needs_draft_probs(self) -> bool:
         """Whether a sampled request's drafts come with a distribution q (a draft model's)."""
-        return isinstance(self.proposer, DraftModelProposer)
+        return not isinstance(self.proposer, NgramProposer)
 
     def draft_probs(self, request_id: str, n: int) -> torch.Tensor | None:
         """q of the request's first n drafts [n, V], or None for a point mass (n-gram, or a
@@ -333,6 +339,13 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
+
+    def observe(self, scheduled: list[ScheduledRequest], output: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states [T, H] of a step's forward output; a head proposer keeps
+        its features (runtime/speculative_heads.py)."""
+        if isinstance(self.proposer, HeadProposer):
+            return self.proposer.observe(scheduled, output)
+        return output
 
 
 def load_draft(
@@ -374,12 +387,22 @@ def build_speculator(
     device: torch.device,
     seed: int,
     compile_config: CompileConfig | None,
+    head: LoadedModel | None = None,
+    target: LoadedModel | None = None,
 ) -> Speculator:
     """The engine's speculator; a draft model gets a KV cache of num_blocks blocks (the
     target's count) and runs compiled with `compile_config` (None: eagerly), without CUDA
-    graphs."""
+    graphs; a head (eagle3, mtp: `load_head`) gets such a cache and runs eagerly beside the
+    `target`."""
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    if head is not None:
+        from compile_engine.runtime.speculative_heads import build_head_proposer
+
+        proposer = build_head_proposer(
+            head, target, num_blocks=num_blocks, block_size=block_size, device=device
+        )
+        return Speculator(config, proposer)
     kv_caches = allocate_kv_caches(draft, num_blocks, block_size, device)
     forward = None
     if compile_config is not None:

@@ -3,10 +3,13 @@ speculative_config={...})` or `--speculative-config '{json}'`. Torch-free, so th
 line validates the flag before the heavy imports.
 
 Methods: `ngram` (prompt lookup: the continuation of the most recent earlier occurrence of the
-last n tokens, `prompt_lookup_min <= n <= prompt_lookup_max`, longest first) and `draft_model`
+last n tokens, `prompt_lookup_min <= n <= prompt_lookup_max`, longest first), `draft_model`
 (a smaller model with the same vocabulary, `model`, run beside the target with its own KV
-cache). `eagle`, `eagle3` and `mtp` are vLLM's names for heads this engine cannot load yet: they
-are refused by name rather than taken for something else.
+cache), `eagle3` (an EAGLE-3 head, `model`, in the layout published for Llama-3.1-8B, over the
+target's aux hidden states) and `mtp` (DeepSeek-V3's multi-token prediction layer from the
+target's own checkpoint; `model` may name another directory holding it).
+`eagle` (EAGLE-1 heads) is vLLM's name for heads this engine cannot load yet: it is refused
+by name rather than taken for something else.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 
-METHODS = ("ngram", "draft_model")
-NOT_IMPLEMENTED = ("eagle", "eagle3", "mtp")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+NOT_IMPLEMENTED = ("eagle",)
 # vLLM's default window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 MAX_SPECULATIVE_TOKENS = 16
@@ -34,7 +37,8 @@ class SpeculativeConfig:
     # alone sets both; neither sets both to 5).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    # draft_model: its path or alias, and whether it runs eagerly (None: as the target does).
+    # draft_model: its path or alias, and whether it runs eagerly (None: as the target does);
+    # eagle3: the head's directory; mtp: none (the target's checkpoint) or the directory.
     model: str | None = None
     enforce_eager: bool | None = None
     # Ours (vLLM has none): a request whose drafts were accepted at less than this rate, once
@@ -82,13 +86,19 @@ class SpeculativeConfig:
             if self.model is not None:
                 raise SpeculativeConfigError("model is a draft_model setting; ngram takes none")
         else:
-            if not isinstance(self.model, str) or not self.model:
+            if method == "draft_model" and (not isinstance(self.model, str) or not self.model):
                 raise SpeculativeConfigError(
                     "method='draft_model' needs model: the draft's path or alias"
                 )
+            if method == "eagle3" and (not isinstance(self.model, str) or not self.model):
+                raise SpeculativeConfigError(
+                    "method='eagle3' needs model: the EAGLE-3 head's directory"
+                )
+            if self.model is not None and not isinstance(self.model, str):
+                raise SpeculativeConfigError(f"model={self.model!r}: must be a path")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
                 raise SpeculativeConfigError(
-                    "prompt_lookup_min/max are ngram settings; draft_model takes none"
+                    f"prompt_lookup_min/max are ngram settings; {method} takes none"
                 )
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise SpeculativeConfigError(f"enforce_eager={self.enforce_eager!r}: must be a bool")

@@ -86,8 +86,10 @@ TINY_DEEPSEEK: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def make_tiny_deepseek(name: str, directory: Path, seed: int = 0):
-    """Write a tiny random `name` model to `directory`; return the HF model (float32, eval)."""
+def make_tiny_deepseek(name: str, directory: Path, seed: int = 0, mtp: bool = False):
+    """Write a tiny random `name` model to `directory`; return the HF model (float32, eval).
+    With `mtp`, the checkpoint also holds one multi-token-prediction layer at index
+    num_hidden_layers, as DeepSeek-V3's does (`add_mtp_layer`)."""
     config_cls, model_cls, overrides = TINY_DEEPSEEK[name]
     config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
     config.architectures = [model_cls]
@@ -104,4 +106,45 @@ def make_tiny_deepseek(name: str, directory: Path, seed: int = 0):
             if name_.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(directory)
+    if mtp:
+        add_mtp_layer(model, directory, seed=seed + 1)
     return model
+
+
+def add_mtp_layer(model, directory: Path, seed: int = 1) -> None:
+    """Append DeepSeek-V3's MTP layer to the saved `model` in `directory`: the decoder layer
+    HF would build at index num_hidden_layers (MoE: past first_k_dense_replace), randomly
+    initialised by HF, with enorm, hnorm, eh_proj, shared_head and the copies of the
+    embedding and head V3's checkpoint carries; num_nextn_predict_layers 1 in config.json."""
+    import copy
+    import json
+
+    from safetensors.torch import save_file
+
+    config = model.config
+    layers = config.num_hidden_layers
+    longer = copy.deepcopy(config)
+    longer.num_hidden_layers = layers + 1
+    torch.manual_seed(seed)
+    donor = type(model)(longer).eval()
+    prefix = f"model.layers.{layers}."
+    h = config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {prefix + k: v.clone() for k, v in donor.model.layers[layers].state_dict().items()}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    tensors[prefix + "eh_proj.weight"] = 0.15 * torch.randn(h, 2 * h, generator=gen)
+    tensors[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    tensors[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    with torch.no_grad():
+        for key, value in tensors.items():
+            if key.endswith("e_score_correction_bias"):
+                value.copy_(torch.randn(value.shape, generator=gen) * 0.1)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(Path(directory) / "model-mtp.safetensors"),
+        metadata={"format": "pt"},
+    )
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (Path(directory) / "config.json").write_text(json.dumps(raw, indent=2))
