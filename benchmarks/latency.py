@@ -237,7 +237,20 @@ def bench_latency(
             mean_length = statistics.median(lengths) if lengths else None
             payload["batches"][str(b)]["mean_acceptance_length"] = mean_length
         payload[f"decode_bs{b}_tok_s"] = tok_s
+    step = draft_step_ms(llm)
+    if step is not None:
+        payload["spec_draft_step_ms_bs1"] = step
     return payload
+
+
+def draft_step_ms(llm) -> float | None:
+    """One draft step of an EAGLE-3 or MTP head at batch 1, in ms (its one-token forward,
+    logits and argmax, the device drained: runtime/speculative_heads.py); None without one."""
+    speculator = llm.engine.runner.speculator
+    proposer = getattr(speculator, "proposer", None)
+    if not hasattr(proposer, "draft_step_seconds"):
+        return None
+    return 1e3 * proposer.draft_step_seconds()
 
 
 class HFReferenceError(RuntimeError):
@@ -543,6 +556,8 @@ def print_latency(payload: dict) -> None:
             ratio = f"{r['decode_tok_s'] / theirs:>7.2f}x" if theirs > 0 else f"{'-':>8}"
             line += f" {theirs:>10,.1f} {ratio}"
         print(line)
+    if payload.get("spec_draft_step_ms_bs1") is not None:
+        print(f"  one draft step at batch 1: {payload['spec_draft_step_ms_bs1']:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -226,3 +226,18 @@ def test_an_mtp_layer_that_agrees_with_its_target_has_every_draft_accepted(tmp_p
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
     _check_clean(llm)
+
+
+def test_bench_latency_records_one_draft_step(llama, tmp_path):
+    from compile_engine.benchmarks import latency
+
+    head = make_tiny_eagle3(llama, tmp_path / "head")
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    argv = ["--model", str(llama), "--target", "cpu", "--dtype", "float32", "--enforce-eager"]
+    argv += ["--batch-sizes", "1", "--input-len", "5", "--output-len", "6", "--num-iters", "1"]
+    argv += ["--copy-rate", "1e10", "--results-dir", str(tmp_path / "out")]
+    assert latency.main([*argv, "--speculative-config", json.dumps(spec)]) == 0
+    (record,) = (tmp_path / "out").glob("*.json")
+    data = json.loads(record.read_text())
+    assert 0 < data["spec_draft_step_ms_bs1"] < 1e3
+    assert data["engine"]["speculative_config"]["method"] == "eagle3"
