@@ -12,13 +12,13 @@ import json
 
 import pytest
 import torch
-from tiny_heads import make_constant_target, make_tiny_eagle3
 
 from compile_engine import LLM, SamplingParams
 from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
 
 from oracle import GREEDY, mixed_prompts
 from tiny_deepseek import make_tiny_deepseek
+from tiny_heads import make_constant_target, make_tiny_eagle3
 from tiny_models import make_tiny_model
 
 ALWAYS = dict(min_acceptance_rate=0.0)
