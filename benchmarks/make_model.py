@@ -17,6 +17,12 @@ scales, dynamic per-token activations), `ct-tensor` static per-tensor scales wit
 scale, `ct-block` / `fp8-block` 128 x 128 block scales (compressed-tensors, or DeepSeek-V3's
 `weight_scale_inv`), `fp8-tensor` the "fp8" method's per-tensor form. Each projection is drawn
 in the model dtype and quantized on the drawing device; lm_head, embeddings and norms stay.
+
+Integer weight-only layouts (issue 29, models/quant_formats.py's PACKED_LAYOUTS): `gptq-int4` /
+`gptq-int8` (AutoGPTQ, symmetric, no act-order), `awq-int4` (AutoAWQ gemm, zero points),
+`ct-w4a16` / `ct-w8a16` (compressed-tensors pack-quantized), in groups of 128 columns (the
+largest of 128 / 64 / 32 that divides the hidden and intermediate sizes, for tiny presets),
+round-to-nearest from the drawn weights (no calibration: random weights have nothing to fit).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from pathlib import Path
 import torch
 
 SHARD_BYTES = 5 * 1024**3
+# models/quant_formats.py's PACKED_LAYOUTS (named here so that the parser imports no torch
+# model code).
+PACKED_LAYOUT_NAMES = ("gptq-int4", "gptq-int8", "awq-int4", "ct-w4a16", "ct-w8a16")
 
 # Shapes of the public checkpoints' config.json (Llama-3.1-8B, Qwen3-8B); token ids only, so no
 # tokenizer is written and the engine takes token-id prompts.
@@ -233,10 +242,28 @@ def _checkpoint_tensors(
     tensor = _random_tensor(name, shape, dtype, device, gen)
     if quantize is None:
         return {name: tensor.cpu()}
-    from compile_engine.models.quant import quantize_checkpoint_tensor
+    if isinstance(quantize, str):
+        from compile_engine.models.quant import quantize_checkpoint_tensor
 
-    parts = quantize_checkpoint_tensor(name, tensor, quantize)
+        parts = quantize_checkpoint_tensor(name, tensor, quantize)
+    else:  # a PackedFormat
+        from compile_engine.models.quant_formats import quantize_checkpoint_linear
+
+        parts = quantize_checkpoint_linear(name, tensor, quantize)
     return {k: v.cpu() for k, v in parts.items()}
+
+
+def _packed_format(name: str, config):
+    """The integer layout `name` at the largest group dividing the model's input widths."""
+    import dataclasses
+
+    from compile_engine.models.quant_formats import PACKED_LAYOUTS
+
+    widths = (config.hidden_size, config.intermediate_size)
+    group = next((g for g in (128, 64, 32) if all(w % g == 0 for w in widths)), None)
+    if group is None:
+        raise SystemExit(f"{widths}: no group of 128 / 64 / 32 columns divides these widths")
+    return dataclasses.replace(PACKED_LAYOUTS[name], group=group)
 
 
 def make_model(
@@ -260,7 +287,13 @@ def make_model(
     torch_dtype = _DTYPES[dtype_name]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if quantize is not None:
+    packing = None
+    if quantize is not None and quantize in PACKED_LAYOUT_NAMES:
+        from compile_engine.models.quant_formats import packed_quantization_config
+
+        packing = _packed_format(quantize, config)
+        config.quantization_config = packed_quantization_config(packing)
+    elif quantize is not None:
         from compile_engine.models.quant import checkpoint_quantization_config
 
         config.quantization_config = checkpoint_quantization_config(quantize)
@@ -280,7 +313,9 @@ def make_model(
         )
         tensors = {}
         for name, s in shard:
-            tensors.update(_checkpoint_tensors(name, s, torch_dtype, device, gen, quantize))
+            tensors.update(
+                _checkpoint_tensors(name, s, torch_dtype, device, gen, packing or quantize)
+            )
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = file
@@ -452,8 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantize",
         default=None,
-        choices=["ct-tensor", "ct-channel", "ct-block", "fp8-block", "fp8-tensor"],
-        help="write an FP8 checkpoint in this layout (module docstring)",
+        choices=[
+            "ct-tensor",
+            "ct-channel",
+            "ct-block",
+            "fp8-block",
+            "fp8-tensor",
+            *PACKED_LAYOUT_NAMES,
+        ],  # fmt: skip
+        help="write an FP8 or integer (GPTQ / AWQ / pack-quantized) checkpoint in this layout "
+        "(module docstring)",
     )
     return p
 

@@ -449,6 +449,11 @@ def open_model(
         )
     if quant is not None:
         quantize_model(net, quant)  # after the dtype cast: FP8 and scales keep theirs
+    if quant is not None and quant.packing is not None:
+        from compile_engine.models.quant_formats import unpack_checkpoint
+
+        # GPTQ / AWQ / pack-quantized tensors -> the scheme's codes and group scales
+        tensors = unpack_checkpoint(tensors, quant)
     if storage:
         materialize(net, device)
     return LoadedModel(net, config, hf_config, source, torch_dtype, quant), tensors

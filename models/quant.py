@@ -21,8 +21,11 @@ per group of `group` (32/64/128) consecutive input columns of a row:
 - int8: q int8, w = s * q; scale [N, G] float32 (GGUF Q8_0);
 - uint8: q 0..255, w = s * q + m; scale [N, G, 2] = (s, m) float32;
 - int4: q 0..15, w = s * (q - 8); scale [N, G] float32 (GGUF Q4_0, symmetric GPTQ);
-- uint4: q 0..15, w = s * q + m; scale [N, G, 2] = (s, m) float32 (GGUF Q4_1; a zero point z
-  is m = -z * s).
+- uint4: q 0..15, w = s * q + m; scale [N, G, 2] = (s, m) float32 (GGUF Q4_1);
+- uint4_zp / uint8_zp: q 0..15 / 0..255 with an integer zero point per group, w = (q - z) * s;
+  scale [N, G, 2] = (s, z) float32, z a whole number (GPTQ, AWQ and compressed-tensors
+  asymmetric checkpoints: their own formula, so the product is the only rounding; folding z
+  into an offset m = -z * s would round twice).
 
 Each rounds as gguf's dequantize does (one product, then the add), so the reference's weight is
 the file's fp32 weight bit for bit. Layouts: "plain" (4-bit: two codes a byte, even k in the low
@@ -57,7 +60,8 @@ MIN_SCALE = 1e-12
 
 WEIGHT_SCALES = ("tensor", "channel", "block", "group")
 ACTIVATIONS = ("none", "token", "tensor")
-INT_WEIGHTS = ("int8", "uint8", "int4", "uint4")  # weight-only, per-group scales
+INT_WEIGHTS = ("int8", "uint8", "int4", "uint4", "uint4_zp", "uint8_zp")  # weight-only, per group
+INT_BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "uint4_zp": 4, "uint8_zp": 8}
 WEIGHTS = ("fp8_e4m3", *INT_WEIGHTS)
 GROUP_SIZES = (32, 64, 128)
 LAYOUTS = ("plain", "int4pack_cpu")
@@ -108,8 +112,8 @@ class QuantScheme:
                 )
             if self.activation != "none":
                 raise QuantizationError(f"{self.weight} weights are weight-only (activation none)")
-            if self.layout == "int4pack_cpu" and self.bits != 4:
-                raise QuantizationError("the int4pack_cpu layout holds 4-bit weights only")
+            if self.layout == "int4pack_cpu" and self.weight not in ("int4", "uint4"):
+                raise QuantizationError("the int4pack_cpu layout holds int4 / uint4 weights only")
             return
         if self.weight_scale == "group" or self.group is not None or self.layout != "plain":
             raise QuantizationError("FP8 weights take tensor, channel or block scales, plain")
@@ -126,12 +130,23 @@ class QuantScheme:
 
     @property
     def bits(self) -> int:
-        return 4 if self.weight.endswith("4") else 8
+        return INT_BITS.get(self.weight, 8)
 
     @property
     def has_min(self) -> bool:
         """An offset per group (uint formats: w = s * q + m), stored beside the scale."""
         return self.weight in ("uint8", "uint4")
+
+    @property
+    def has_zero(self) -> bool:
+        """An integer zero point per group (the _zp formats: w = (q - z) * s), stored beside
+        the scale."""
+        return self.weight.endswith("_zp")
+
+    @property
+    def scale_pairs(self) -> bool:
+        """The group scale is [N, G, 2]: (s, m) or (s, z)."""
+        return self.has_min or self.has_zero
 
     def __str__(self) -> str:
         scale = self.weight_scale
@@ -174,7 +189,7 @@ class QuantScheme:
             groups = in_features // self.group
             if self.layout == "int4pack_cpu":
                 return (groups, out_features, 2)
-            return (out_features, groups, 2) if self.has_min else (out_features, groups)
+            return (out_features, groups, 2) if self.scale_pairs else (out_features, groups)
         bn, bk = self.block
         return (-(-out_features // bn), -(-in_features // bk))
 
@@ -274,6 +289,9 @@ def dequantize_int_ref(weight: Tensor, scale: Tensor, scheme: QuantScheme) -> Te
     if scheme.has_min:
         s, m = scale.float().unbind(-1)
         return (q * s[..., None] + m[..., None]).reshape(n, k)
+    if scheme.has_zero:
+        s, z = scale.float().unbind(-1)
+        return ((q - z[..., None]) * s[..., None]).reshape(n, k)
     if scheme.weight == "int4":
         q = q - 8
     return (q * scale.float()[..., None]).reshape(n, k)
@@ -401,6 +419,7 @@ class QuantLinear(nn.Module):
         shards: dict[str, int] | None = None,
         scale_name: str = "weight_scale",
         online: bool = False,
+        act_order: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -443,6 +462,17 @@ class QuantLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        # Act-order (GPTQ desc_act, compressed-tensors actorder "group"): the weight's columns
+        # are stored sorted by group (quant_formats), and the activation's gathered to match.
+        # A fused parameter's shards share one order (they see the same input, so GPTQ's
+        # Hessian order is the same); load_shard checks it.
+        if act_order and not scheme.is_int:
+            raise QuantizationError("act-order goes with integer weights")
+        if act_order:
+            self.input_perm = nn.Parameter(torch.empty(in_features, dtype=torch.int64), False)
+        else:
+            self.register_parameter("input_perm", None)
+        self._perm_shards: set[str | None] = set()
         # Per-tensor scales of a fused parameter's shards, until finish_loading: shard -> scale.
         self._shard_scales: dict[str, Tensor] = {}
         self._shard_input_scales: dict[str, Tensor] = {}
@@ -453,6 +483,8 @@ class QuantLinear(nn.Module):
         return getattr(self, self.scale_name)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)  # [..., K] in the weight's column order
         return quant_linear(
             x, self.weight, getattr(self, self.scale_name), self.input_scale, self.bias, self.scheme
         )
@@ -463,6 +495,10 @@ class QuantLinear(nn.Module):
     def load_shard(self, param: Tensor, tensor: Tensor, shard: str | None, name: str) -> None:
         start, end = self._rows(shard)
         scheme = self.quant_scheme
+        if param is self.input_perm:
+            with torch.no_grad():
+                self._load_perm(tensor, shard, name)
+            return
         if scheme.is_int and param is not self.bias:
             with torch.no_grad():
                 self._load_int(param, tensor, name, start, end)
@@ -504,6 +540,19 @@ class QuantLinear(nn.Module):
             else:  # pragma: no cover (the loader only passes this module's parameters)
                 raise CheckpointError(f"tensor {name}: no such parameter in {type(self).__name__}")
 
+    def _load_perm(self, tensor: Tensor, shard: str | None, name: str) -> None:
+        if tuple(tensor.shape) != (self.in_features,):
+            raise CheckpointError(f"tensor {name}: a column order of {self.in_features}, got "
+                                  f"shape {tuple(tensor.shape)}")  # fmt: skip
+        tensor = tensor.to(self.input_perm.device, torch.int64)
+        if self._perm_shards and not torch.equal(self.input_perm, tensor):
+            raise CheckpointError(
+                f"tensor {name}: act-order shards of one fused layer ({', '.join(self.shards)}) "
+                "have different g_idx orders; this engine runs them as one GEMM over one order"
+            )
+        self.input_perm.copy_(tensor)
+        self._perm_shards.add(shard)
+
     def _load_int(self, param: Tensor, tensor: Tensor, name: str, start: int, end: int) -> None:
         """An integer checkpoint's rows start:end: `weight` as unpacked codes [n, K] (one a
         byte), `weight_scale` as float32 [n, G] or [n, G, 2] (s, m); packed to the layout."""
@@ -529,7 +578,7 @@ class QuantLinear(nn.Module):
                 b0, b1 = start // INT4PACK_BLOCK_N, end // INT4PACK_BLOCK_N
                 blocks[b0:b1].copy_(pack_int4(tensor, "int4pack_cpu").view(b1 - b0, k, -1))
             return
-        want = (rows, k // scheme.group) + ((2,) if scheme.has_min else ())
+        want = (rows, k // scheme.group) + ((2,) if scheme.scale_pairs else ())
         if param is not self.scale or tuple(tensor.shape) != want:
             raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the model "
                                   f"expects {want} group scales")  # fmt: skip
@@ -654,6 +703,25 @@ QUANTIZATIONS = ("fp8",)  # what quantization= takes (vLLM's name)
 
 
 @dataclass(frozen=True, slots=True)
+class PackedFormat:
+    """How an integer checkpoint packs its weights (models/quant_formats.py reads and writes
+    them): kind one of "gptq" (AutoGPTQ v1: zero points stored minus one), "gptq_v2", "awq"
+    (AutoAWQ gemm), "pack-quantized" (compressed-tensors); `bits` 4 or 8; `group` the
+    checkpoint's columns a scale (None: per channel); symmetric or with zero points; act_order:
+    a g_idx permutes the columns' groups."""
+
+    kind: str
+    bits: int
+    group: int | None
+    symmetric: bool
+    act_order: bool
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "bits": self.bits, "group": self.group,
+                "symmetric": self.symmetric, "act_order": self.act_order}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class QuantConfig:
     """How a model is quantized: `method` ("compressed-tensors" or "fp8", from the checkpoint's
     quantization_config; "online-fp8" for quantization="fp8" over a model-dtype checkpoint),
@@ -668,6 +736,9 @@ class QuantConfig:
     # The token embedding's scheme when it stays quantized too (GGUF's Q8_0 token_embd, also
     # the tied lm_head): a QuantEmbedding. None: the embedding is in the model dtype.
     embedding: QuantScheme | None = None
+    # An integer checkpoint's packing (GPTQ / AWQ / compressed-tensors pack-quantized): the
+    # loader unpacks its tensors into the scheme's codes and scales (quant_formats).
+    packing: PackedFormat | None = None
 
     @property
     def online(self) -> bool:
@@ -696,6 +767,8 @@ class QuantConfig:
             "group": self.scheme.group,
             "layout": self.scheme.layout,
             "embedding": str(self.embedding) if self.embedding is not None else None,
+            # The checkpoint's packing, repacked at load into the scheme's layout above.
+            "packing": self.packing.describe() if self.packing is not None else None,
         }
 
 
@@ -714,22 +787,34 @@ def quant_config(raw_config: dict, quantization: str | None) -> QuantConfig | No
             return None
         return QuantConfig("online-fp8", QuantScheme("channel", "token"))
     method = section.get("quant_method")
+    if quantization is not None and method in ("gptq", "awq"):
+        raise QuantizationError(f"quantization={quantization!r} over a {method} checkpoint")
     if method == "compressed-tensors":
         return _compressed_tensors(section)
     if method == "fp8":
         return _fp8_method(section)
+    if method == "gptq":
+        from compile_engine.models.quant_formats import gptq_config
+
+        return gptq_config(section)
+    if method == "awq":
+        from compile_engine.models.quant_formats import awq_config
+
+        return awq_config(section)
     raise QuantizationError(
         f"quantization_config.quant_method={method!r} is not supported; this engine loads "
-        "'compressed-tensors' (FP8 float-quantized) and 'fp8' checkpoints"
+        "'compressed-tensors' (FP8 float-quantized, int pack-quantized), 'fp8', 'gptq' and "
+        "'awq' checkpoints"
     )
 
 
 def _compressed_tensors(section: dict) -> QuantConfig:
     where = "quantization_config"
     fmt = section.get("format")
-    if fmt not in ("float-quantized", "naive-quantized"):
+    if fmt not in ("float-quantized", "naive-quantized", "pack-quantized"):
         raise QuantizationError(
-            f"{where}.format={fmt!r} is not supported; FP8 checkpoints are 'float-quantized'"
+            f"{where}.format={fmt!r} is not supported; FP8 checkpoints are 'float-quantized', "
+            "int4 / int8 weight-only ones 'pack-quantized'"
         )
     groups = section.get("config_groups") or {}
     if len(groups) != 1:
@@ -742,6 +827,14 @@ def _compressed_tensors(section: dict) -> QuantConfig:
     if group.get("targets") != ["Linear"]:
         raise QuantizationError(f"{where}.targets={group.get('targets')!r}; want ['Linear']")
     weights = group.get("weights") or {}
+    ignore = tuple(section.get("ignore") or ())
+    if fmt == "pack-quantized":
+        if group.get("input_activations") is not None:
+            raise QuantizationError(f"{where}.input_activations: pack-quantized checkpoints run "
+                                    "weight-only (W4A16 / W8A16)")  # fmt: skip
+        from compile_engine.models.quant_formats import pack_quantized_config
+
+        return pack_quantized_config(section, where, weights, ignore)
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise QuantizationError(
             f"{where}.weights: type {weights.get('type')!r}, num_bits {weights.get('num_bits')!r}"
@@ -850,6 +943,7 @@ def quantize_model(model: nn.Module, config: QuantConfig) -> list[str]:
                 shards=module.shards if isinstance(module, FusedLinear) else None,
                 scale_name=config.scale_name,
                 online=config.online,
+                act_order=config.packing is not None and config.packing.act_order,
             )
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, replacement)

@@ -161,8 +161,8 @@ def test_errors_name_the_field(tiny, tmp_path):
     def config_with(section: dict) -> dict:
         return {"quantization_config": section}
 
-    with pytest.raises(QuantizationError, match="quant_method='awq'"):
-        quant_config(config_with({"quant_method": "awq"}), None)
+    with pytest.raises(QuantizationError, match="quant_method='bitsandbytes'"):
+        quant_config(config_with({"quant_method": "bitsandbytes"}), None)
     with pytest.raises(QuantizationError, match="quant_method='modelopt'"):
         quant_config(config_with({"quant_method": "modelopt"}), None)
     with pytest.raises(QuantizationError, match="quantization='int8'"):
