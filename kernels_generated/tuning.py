@@ -44,6 +44,7 @@ from compile_engine.kernels_generated.configs import CONFIG_DIR, ConfigTable
 TABLES = (
     "add_rms_norm",
     "fp8_gemm",
+    "int_gemm",
     "moe_grouped_gemm",
     "rotary",
     "silu_and_mul",

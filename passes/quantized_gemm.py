@@ -17,6 +17,12 @@ layer of a Llama-family model). Emits, on h100 in bf16/fp16:
   per (N, K, rows) in configs/fp8_gemm.json; above 16 rows `torch._scaled_mm` (tensor-wise or
   row-wise scales), or for block scales and W8A16 the same Triton kernel on tensor-core tiles.
 
+On h100, integer weight-only schemes (GPTQ / AWQ / compressed-tensors int4 and int8, issue 29):
+`ce_kernels.int_linear(x, weight, weight_scale, bias, scheme, tuning_key)`
+(kernels_generated/int_linear.py), one Triton kernel dequantizing in registers at every row
+count (fma / skinny / tensor-core tiles, configs/int_gemm.json); the GGUF (s, m) formats (uint4,
+uint8), which the loader only keeps quantized on the CPU, fall back to the reference.
+
 On cpu: 4-bit weights in the int4pack_cpu layout (a GGUF file's Q4_0 / Q4_1 projections,
 kept quantized: models/loader.py) -> `int4pack_linear` (kernels_generated/int_linear_cpu.py:
 ATen's int4 GEMM, dequantizing in registers); anything else -> the reference (`quant_linear_ref`:
@@ -49,8 +55,8 @@ H100_DTYPES = (torch.bfloat16, torch.float16)
 class QuantizedGemm(GraphPass):
     name = "quantized_gemm"
     description = (
-        "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm (h100); "
-        "ATen int4 GEMM for 4-bit, else ref (cpu)"
+        "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm, int4/int8 "
+        "dequantizing Triton GEMM (h100); ATen int4 GEMM for 4-bit, else ref (cpu)"
     )
     targets = ("cpu", "h100")
     kernel_files = (
@@ -58,6 +64,8 @@ class QuantizedGemm(GraphPass):
         "kernels_generated/skinny_gemm.py",
         "kernels_generated/configs/fp8_gemm.json",
         "kernels_generated/int_linear_cpu.py",
+        "kernels_generated/int_linear.py",
+        "kernels_generated/configs/int_gemm.json",
     )
 
     def applies(self, ctx: PassContext) -> bool:
@@ -73,13 +81,26 @@ class QuantizedGemm(GraphPass):
                 node.target = int4pack_linear if layout == "int4pack_cpu" else quant_linear_ref
             return len(nodes)
         import compile_engine.kernels_generated.fp8_linear  # noqa: F401  (registers the op)
+        from compile_engine.kernels_generated.int_linear import KERNEL_WEIGHTS  # registers the op
 
         kernel = torch.ops.ce_kernels.fp8_linear.default
         quantize = torch.ops.ce.quantize_fp8.default
         silu = torch.ops.ce.silu_and_mul.default
         for node in nodes:
             x, weight, weight_scale, input_scale, bias, scheme = node.args
-            activation = QuantScheme.parse(scheme).activation
+            parsed = QuantScheme.parse(scheme)
+            if parsed.is_int:
+                if parsed.weight not in KERNEL_WEIGHTS or parsed.layout != "plain":
+                    node.target = quant_linear_ref  # GGUF's (s, m) formats: no GPU kernel
+                    continue
+                with graph.inserting_before(node):
+                    args = (x, weight, weight_scale, bias, scheme, ctx.kernel.key)
+                    new = graph.call_function(torch.ops.ce_kernels.int_linear.default, args)
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                continue
+            activation = parsed.activation
             with graph.inserting_before(node):
                 if activation == "none":
                     x_q, x_scale = x, None

@@ -1,6 +1,6 @@
 """The CPU cases of the Triton fusion kernels' tests (add_rms_norm, rotary, silu_and_mul,
-argmax) and of the shared kernel harness (tests/benchmarks/test_kernel_harness.py), run under
-the Triton interpreter in one child pytest.
+argmax, the integer weight-only GEMM) and of the shared kernel harness
+(tests/benchmarks/test_kernel_harness.py), run under the Triton interpreter in one child pytest.
 
 TRITON_INTERPRET=1 must be set before triton is first imported and would leak into every later
 test of this process, so those cases (marked interpreted_child) run in a child that has it from
@@ -19,6 +19,7 @@ FILES = (
     "test_rotary.py",
     "test_silu_and_mul_triton.py",
     "test_argmax.py",
+    "test_int_linear.py",
     "../benchmarks/test_kernel_harness.py",
 )
 

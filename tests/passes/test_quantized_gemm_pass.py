@@ -111,3 +111,55 @@ def test_h100_engine_agrees_with_the_reference(tmp_path, layout):
         a == b for x, y in zip(tokens, eager, strict=True) for a, b in zip(x, y, strict=True)
     )
     assert same >= 0.9 * sum(map(len, eager)), (tokens, eager)
+
+
+# --------------------------------------------------------------------------- integer weights
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory):
+    from int_models import write_packed
+
+    from compile_engine.models.quant import PackedFormat
+
+    root = tmp_path_factory.mktemp("gptq")
+    fmt = PackedFormat("gptq", 4, 32, False, True)  # asymmetric, act-order
+    return write_packed(make_tiny_llama(root / "src"), root / "gptq", fmt)
+
+
+def test_integer_weights_lower_to_int_linear_on_h100(gptq_dir):
+    import compile_engine.kernels_generated.int_linear  # noqa: F401  (the op)
+
+    graph = capture_graph(model_dir=gptq_dir)
+    ctx = PassContext("h100", torch.bfloat16)
+    gm = apply_pass("quantized_gemm", graph, ctx)
+    targets = targets_of(gm)
+    kernel = torch.ops.ce_kernels.int_linear.default
+    assert targets.count(kernel) == LINEARS * LAYERS
+    assert torch.ops.ce.quant_linear.default not in targets
+    assert torch.ops.ce_kernels.fp8_linear.default not in targets
+    calls = [n for n in gm.graph.nodes if n.target is kernel]
+    assert all(n.args[4].startswith("uint4_zp:group32") and n.args[5] == ctx.kernel.key
+               for n in calls)  # fmt: skip
+    # cpu: the reference (plain layout; the ATen int4 GEMM takes GGUF's int4pack_cpu only)
+    cpu = targets_of(apply_pass("quantized_gemm", graph, PassContext("cpu", torch.float32)))
+    assert cpu.count(quant_linear_ref) == LINEARS * LAYERS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["gptq-int4", "awq-int4", "gptq-int8"])
+def test_h100_integer_engine_agrees_with_the_reference(tmp_path, layout):
+    from compile_engine import LLM
+    from compile_engine.benchmarks.make_model import make_model
+
+    model = make_model("tiny-llama", tmp_path / layout, quantize=layout)
+    kwargs = dict(dtype="bfloat16", num_kv_blocks=64)
+    eager = _greedy(LLM(str(model), target="h100", enforce_eager=True, **kwargs))
+    graphed = LLM(str(model), target="h100", max_num_seqs=4, max_num_batched_tokens=64, **kwargs)
+    assert graphed.engine.compiled.pass_manager.match_counts["quantized_gemm"] == 8
+    tokens = _greedy(graphed)
+    same = sum(
+        a == b for x, y in zip(tokens, eager, strict=True) for a, b in zip(x, y, strict=True)
+    )
+    assert same >= 0.9 * sum(map(len, eager)), (tokens, eager)

@@ -1,0 +1,348 @@
+"""Integer weight-only linears on the GPU (issue 29): what the quantized_gemm pass lowers an
+int4 / int8 `ce.quant_linear` to on h100. y[M, N] = x[M, K] @ dequant(w)[N, K]^T.
+
+One Triton kernel, dequantizing in registers, for every row count:
+
+- The weight in its "plain" layout (models/quant.py), which the loader repacks GPTQ / AWQ /
+  compressed-tensors checkpoints into (the artifact's quantization record names both, the
+  checkpoint's `packing` and the scheme's layout): 4-bit codes two a byte [N, K / 2], even k in
+  the low nibble; 8-bit codes one a byte [N, K]; group scales float32 [N, G], or [N, G, 2] =
+  (s, z) for the zero-point formats (uint4_zp / uint8_zp), with G = K / group.
+- A program owns BLOCK_N weight rows, BLOCK_M activation rows and one K-slice (split-K), and
+  walks it in BLOCK_K tiles that lie inside one group each (BLOCK_K divides the group). Per
+  tile it loads the codes, subtracts the zero point (8 for int4, 0 for int8, the group's z for
+  the _zp formats): small whole numbers, exact in bf16 / fp16, multiplies them with the
+  activation tile, accumulating in float32, and scales the tile's [BLOCK_M, BLOCK_N] sum by the
+  group's scale. So the dequantization is exact and the product differs from the reference
+  (`quant_linear_ref`: dequantize in float32, matmul) by the order of accumulation only: the
+  scale multiplies a tile's sum rather than each term.
+- FMA (a few rows): a broadcast multiply and a sum over K in float32, no tensor cores (a
+  16-row tile would be mostly padding). Otherwise `tl.dot` on tensor cores: at most 16 rows
+  the "skinny" config, above 16 the "tiles" config (64 x 128 tiles): a tensor-core GEMM that
+  dequantizes each weight tile in registers on its way to the MMA.
+- 4-bit tiles load a byte per two codes and the activation's even and odd columns apart, so
+  the low and high nibbles meet their own columns with no interleave in registers: two dots of
+  BLOCK_K / 2 each.
+- SPLIT_K > 1: as the bf16 skinny GEMM (kernels_generated/skinny_gemm.py), each program stores
+  its float32 partial and counts itself in on the output tile's counter; the last to arrive
+  sums the partials in split order (deterministic) and resets the counter, so CUDA-graph
+  replays need no memset. The split is chosen per call to give `programs_per_sm` programs per
+  SM (a decode GEMV of few tiles would otherwise leave SMs idle), capped by the K-tiles.
+
+Launch configs come from configs/int_gemm.json (`KernelConfig.table("int_gemm")`): defaults
+"fma" (rows <= FMA_MAX_ROWS), "skinny" (<= SKINNY_MAX_ROWS) and "tiles" (above), and tuned
+entries keyed by the weight's (N, K) and the row bucket, nearest M, where a sweep has run (none
+yet: the table says so). bias is added after the kernel.
+
+Not measured yet on the H200 (scripts/device/int4.sh runs the GPU tests and `bench latency` on
+Llama-3-8B-shaped int4 / int8 models). On CPU the kernel runs under the Triton interpreter
+only (TRITON_INTERPRET=1; float32 / float16 activations, the interpreter computes bf16
+wrongly), as tests/kernels/test_int_linear.py does in tiny shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+from compile_engine.kernels_generated import tuning
+from compile_engine.kernels_generated.configs import bucket_tokens
+from compile_engine.kernels_generated.counters import arrival_counters
+from compile_engine.kernels_generated.device import sm_count
+from compile_engine.kernels_generated.tuning import KernelConfig
+from compile_engine.models.quant import QuantScheme
+
+FMA_MAX_ROWS = 4
+SKINNY_MAX_ROWS = 16
+MAX_TILES = 1 << 16  # split-K counters per device
+# The weight formats this kernel runs (the GGUF (s, m) formats uint4 / uint8 run the
+# reference on CUDA; the loader dequantizes GGUF files there anyway).
+KERNEL_WEIGHTS = ("int4", "int8", "uint4_zp", "uint8_zp")
+
+
+class IntLinearError(RuntimeError):
+    """The integer linear kernel cannot run these inputs here; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class IntLaunch:
+    """One launch config of the kernel (a table entry's or default's fields)."""
+
+    mode: str  # "fma" or "dot"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 0  # split K until the grid has this many programs per SM (0: none)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fma", "dot"):
+            raise IntLinearError(f"mode {self.mode!r}: 'fma' or 'dot'")
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise IntLinearError(f"{name}={value}: a power of two")
+
+
+@triton.jit(do_not_specialize=["M", "split_k", "k_tiles"])
+def _int_linear_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # [N, K / 2] (4-bit) or [N, K] (8-bit) codes
+    s_ptr,  # [N, G] scales, or [N, G, 2] (s, z) with ZP
+    out_ptr,  # [M, N], unit stride along N
+    ws_ptr,  # [split_k, M, N] float32 partials (split_k > 1)
+    counter_ptr,  # [>= tiles] int32, zero between calls
+    M,
+    N,
+    K,
+    k_tiles,  # BLOCK_K tiles per K-slice
+    split_k,
+    stride_xm,
+    stride_om,
+    BITS: tl.constexpr,  # 4 or 8
+    ZP: tl.constexpr,  # a zero point per group beside the scale
+    ZERO: tl.constexpr,  # the fixed zero point without ZP (8 for int4, 0 for int8)
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FMA: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    groups = K // GROUP
+    WIDTH: tl.constexpr = BLOCK_K // 2 if BITS == 4 else BLOCK_K  # code bytes a tile row
+    offs_j = tl.arange(0, WIDTH)
+    row_bytes = K // 2 if BITS == 4 else K
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes  # [BN, 1]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * k_tiles * BLOCK_K
+    for t in range(0, k_tiles):
+        k0 = k_begin + t * BLOCK_K
+        group = k0 // GROUP
+        if ZP:
+            s_offs = (offs_n.to(tl.int64) * groups + group) * 2
+            scale = tl.load(s_ptr + s_offs, mask=mask_n, other=0.0)
+            zero = tl.load(s_ptr + s_offs + 1, mask=mask_n, other=0.0)[:, None]  # [BN, 1]
+        else:
+            scale = tl.load(s_ptr + offs_n.to(tl.int64) * groups + group, mask=mask_n, other=0.0)
+            zero = ZERO
+        if BITS == 4:
+            b = tl.load(w_rows + (k0 // 2 + offs_j)[None, :], mask=mask_n[:, None], other=0)
+            lo = (b & 15).to(tl.float32) - zero  # [BN, BK / 2]: columns k0 + 2 j
+            hi = (b >> 4).to(tl.float32) - zero  # columns k0 + 2 j + 1
+            x_cols = x_rows + (k0 + 2 * offs_j)[None, :]
+            xe = tl.load(x_cols, mask=mask_m[:, None], other=0.0)  # [BM, BK / 2]
+            xo = tl.load(x_cols + 1, mask=mask_m[:, None], other=0.0)
+            if FMA:
+                part = tl.sum(xe.to(tl.float32)[:, None, :] * lo[None, :, :], axis=2)
+                part += tl.sum(xo.to(tl.float32)[:, None, :] * hi[None, :, :], axis=2)
+            else:
+                part = tl.dot(xe, tl.trans(lo.to(xe.dtype)))
+                part = tl.dot(xo, tl.trans(hi.to(xo.dtype)), part)
+        else:
+            q = tl.load(w_rows + (k0 + offs_j)[None, :], mask=mask_n[:, None], other=0)
+            w = q.to(tl.float32) - zero  # [BN, BK]
+            xk = tl.load(x_rows + (k0 + offs_j)[None, :], mask=mask_m[:, None], other=0.0)
+            if FMA:
+                part = tl.sum(xk.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            else:
+                part = tl.dot(xk, tl.trans(w.to(xk.dtype)))
+        acc += part * scale[None, :]
+    o_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o_mask = mask_m[:, None] & mask_n[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if split_k == 1:
+        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
+    else:
+        plane = M.to(tl.int64) * N
+        p_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
+        # Every thread's partial is stored before the one atomic publishes it (release at GPU
+        # scope); the last arrival acquires the others'.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, split_k):
+                # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
+                total += tl.load(
+                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0)
+
+
+INTERPRETED = not isinstance(_int_linear_kernel, JITFunction)
+"""True when triton was imported with TRITON_INTERPRET=1: the kernel then runs on CPU tensors."""
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def int_linear_ref(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, scheme: str
+) -> Tensor:
+    """What `int_linear` computes: quant_linear's reference (dequantize in float32, matmul,
+    round to x's dtype)."""
+    from compile_engine.models.quant import quant_linear_ref
+
+    return quant_linear_ref(x, weight, weight_scale, None, bias, scheme)
+
+
+# --------------------------------------------------------------------------- launch
+
+
+@functools.cache
+def launch_config(tuning_key: str, n_size: int, k_size: int, rows_bucket: int) -> IntLaunch:
+    """The tuned config for this weight and row bucket (nearest M among entries of exactly
+    this (N, K)); the table's default for the row class where none was tuned."""
+    table = tuning.resolve(tuning_key).table("int_gemm")
+    section = table.targets.get("h100")
+    entries = [
+        e
+        for e in (section.entries if section else [])
+        if e.key["N"] == n_size and e.key["K"] == k_size
+    ]
+    if entries:
+        best = min(entries, key=lambda e: abs(e.key["M"].bit_length() - rows_bucket.bit_length()))
+        return IntLaunch(**best.config)
+    if rows_bucket <= FMA_MAX_ROWS:
+        name = "fma"
+    elif rows_bucket <= SKINNY_MAX_ROWS:
+        name = "skinny"
+    else:
+        name = "tiles"
+    return IntLaunch(**table.default[name])
+
+
+def _check(x: Tensor, weight: Tensor, weight_scale: Tensor, scheme: QuantScheme) -> None:
+    if scheme.weight not in KERNEL_WEIGHTS or scheme.layout != "plain":
+        raise IntLinearError(f"the integer linear kernel runs {', '.join(KERNEL_WEIGHTS)} in the "
+                             f"plain layout, not {scheme}")  # fmt: skip
+    if not (x.is_cuda or INTERPRETED):
+        raise IntLinearError(
+            "ce_kernels::int_linear runs on CUDA (or under TRITON_INTERPRET=1); on cpu the "
+            "quantized_gemm pass lowers quant_linear to the CPU paths"
+        )
+    n, k = weight.shape[0], x.shape[-1]
+    if tuple(weight.shape) != scheme.weight_shape(n, k):
+        raise IntLinearError(f"weight {tuple(weight.shape)} for {k} input features ({scheme})")
+    if tuple(weight_scale.shape) != scheme.scale_shape(n, k):
+        raise IntLinearError(f"scales {tuple(weight_scale.shape)}, want "
+                             f"{scheme.scale_shape(n, k)}")  # fmt: skip
+    if weight_scale.dtype != torch.float32 or not weight.is_contiguous():
+        raise IntLinearError("want float32 scales and a contiguous weight")
+
+
+def run_int_linear(
+    kernel_config: KernelConfig,
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    scheme: str,
+    launch: IntLaunch | None = None,
+) -> Tensor:
+    """int_linear with an explicit kernel config (and optionally an explicit launch)."""
+    parsed = QuantScheme.parse(scheme)
+    _check(x, weight, weight_scale, parsed)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows, k_size = flat.shape
+    n_size = weight.shape[0]
+    out = torch.empty(rows, n_size, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out.view(*x.shape[:-1], n_size)
+    if launch is None:
+        launch = launch_config(kernel_config.key, n_size, k_size, bucket_tokens(rows))
+    block_k = min(launch.block_k, parsed.group)  # a tile lies in one group
+    block_m = launch.block_m if launch.mode == "fma" else max(16, launch.block_m)
+    if launch.mode == "fma":
+        block_m = min(block_m, triton.next_power_of_2(rows))
+    n_tiles, m_tiles = triton.cdiv(n_size, launch.block_n), triton.cdiv(rows, block_m)
+    total_k_tiles = k_size // block_k
+    split_k = 1
+    if launch.programs_per_sm:
+        want = launch.programs_per_sm * sm_count(x.device)
+        split_k = max(1, min(total_k_tiles, triton.cdiv(want, n_tiles * m_tiles)))
+        while total_k_tiles % split_k:  # whole tiles a slice: no K masks
+            split_k -= 1
+    k_tiles = total_k_tiles // split_k
+    workspace = out
+    counters = arrival_counters("int_linear", x.device, MAX_TILES, IntLinearError)
+    if split_k > 1:
+        if n_tiles * m_tiles > MAX_TILES:
+            raise IntLinearError(f"{n_tiles * m_tiles} tiles exceed the {MAX_TILES} counters")
+        workspace = torch.empty(split_k, rows, n_size, dtype=torch.float32, device=x.device)
+    zero = 0 if parsed.has_zero or parsed.weight == "int8" else 8
+    _int_linear_kernel[(n_tiles, split_k, m_tiles)](
+        flat,
+        weight,
+        weight_scale,
+        out,
+        workspace,
+        counters,
+        rows,
+        n_size,
+        k_size,
+        k_tiles,
+        split_k,
+        flat.stride(0),
+        out.stride(0),
+        BITS=parsed.bits,
+        ZP=parsed.has_zero,
+        ZERO=zero,
+        GROUP=parsed.group,
+        BLOCK_M=block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=block_k,
+        FMA=launch.mode == "fma",
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], n_size)
+
+
+# The op the quantized_gemm pass swaps in for an integer ce.quant_linear on h100: opaque to
+# Dynamo and Inductor, one call in the CUDA graph. `tuning_key`: the engine's KernelConfig.
+@torch.library.custom_op("ce_kernels::int_linear", mutates_args=())
+def int_linear(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    scheme: str,
+    tuning_key: str,
+) -> Tensor:
+    """`run_int_linear` with the kernel config whose key the pass gave."""
+    return run_int_linear(tuning.resolve(tuning_key), x, weight, weight_scale, bias, scheme)
+
+
+@int_linear.register_fake
+def _int_linear_fake(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    scheme: str,
+    tuning_key: str,
+) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
