@@ -1,0 +1,38 @@
+#!/bin/bash
+# Issue 29's GPU half on the H200: the integer weight-only GEMM's and the quantized_gemm pass's
+# GPU tests (int4 / int8 / uint4_zp kernels against the reference at the Llama-3-8B shapes,
+# split-K under CUDA-graph replay; tiny GPTQ / AWQ / int8 engines against eager), then
+# `bench latency` on Llama-3-8B-shaped models that `bench make-model` writes on the device:
+# GPTQ int4 (group 128, symmetric) at batch 1 and 64, GPTQ int8 at batch 1.
+#   device call: carry [".whl"], command `bash scripts/device/int4.sh <commit>`
+# JSON lands in $OUT/r (latency-int4-*, latency-int8-*); logs in $OUT/logs.tgz. Bounded to about
+# 7 minutes: every step has a timeout, the models are written in the background meanwhile.
+source scripts/device/env.sh
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
+mkdir -p $OUT/r
+T0=$(date +%s)
+at() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+make() {  # preset dir, layout
+  [ -d $1 ] || timeout 150 python3 -m compile_engine.benchmarks make-model llama3-8b --out $1 \
+    --device cuda --quantize $2 2>&1 | tail -1
+}
+(make /tmp/l3gptq4 gptq-int4; make /tmp/l3gptq8 gptq-int8) > $OUT/make-model.log 2>&1 &
+MAKER=$!
+timeout 100 python3 -m pytest tests/kernels/test_int_linear.py -m gpu -q -p no:cacheprovider \
+  --maxfail=6 2>&1 | tee $OUT/tests-kernels.log | tail -12
+at "kernel tests"
+timeout 100 python3 -m pytest tests/passes/test_quantized_gemm_pass.py -m gpu -q \
+  -p no:cacheprovider -k "integer" 2>&1 | tee $OUT/tests-pass.log | tail -12
+at "pass tests"
+wait $MAKER
+cat $OUT/make-model.log
+at "make-model"
+L3="--target h100 --dtype bfloat16 --results-dir $OUT/r"
+timeout 150 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq4 $L3 \
+  --batch-sizes 1,64 --name latency-int4 2>&1 | tee $OUT/latency-int4.log | grep -v Warn | tail -6
+at "latency int4"
+timeout 100 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq8 $L3 \
+  --batch-sizes 1 --name latency-int8 2>&1 | tee $OUT/latency-int8.log | grep -v Warn | tail -5
+at "latency int8"
+# A device call returns at most 8 files: the logs go back as one archive beside the JSON.
+tar czf $OUT/logs.tgz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log
