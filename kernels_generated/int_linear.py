@@ -272,6 +272,11 @@ def run_int_linear(
     if launch is None:
         launch = launch_config(kernel_config.key, n_size, k_size, bucket_tokens(rows))
     block_k = min(launch.block_k, parsed.group)  # a tile lies in one group
+    if launch.mode == "dot" and parsed.bits == 4 and block_k < 32:
+        raise IntLinearError(
+            f"{scheme}: 4-bit groups of {parsed.group} are too short for the tensor-core dot "
+            "(16 columns a nibble half); groups of >= 32"
+        )
     block_m = launch.block_m if launch.mode == "fma" else max(16, launch.block_m)
     if launch.mode == "fma":
         block_m = min(block_m, triton.next_power_of_2(rows))

@@ -54,31 +54,115 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 _MISSING: Any = object()
 
-# GGUF block types read as codes + scales, and the models/quant.py weight format each is
-# (every one a group of 32): Q4_0 w = d (q - 8), Q4_1 w = d q + m, Q8_0 w = d q.
+# GGUF block types read as codes + scales, and the models/quant.py weight format and group each
+# is: Q4_0 w = d (q - 8), Q4_1 w = d q + m, Q8_0 w = d q (groups of 32); Q5_0 w = d (q - 16)
+# as int8 codes q - 16, Q5_1 w = d q + m (uint8), Q4_K / Q5_K w = (d sc) q - (dmin m) per
+# 32-column sub-block (uint4 / uint8 with the offset -(dmin m)), Q6_K w = (d sc) (q - 32) per
+# 16-column sub-block (int8 codes q - 32). Each scale and offset is the product gguf's
+# dequantize forms, so `dequantize_int_ref` of them is gguf.quants.dequantize bit for bit.
+BLOCK_TYPES: dict[str, tuple[str, int]] = {
+    "Q4_0": ("int4", 32),
+    "Q4_1": ("uint4", 32),
+    "Q8_0": ("int8", 32),
+    "Q5_0": ("int8", 32),
+    "Q5_1": ("uint8", 32),
+    "Q4_K": ("uint4", 32),
+    "Q5_K": ("uint8", 32),
+    "Q6_K": ("int8", 16),
+}
+# The types the quantized path keeps quantized in memory (quantized_tensors): the rest of
+# BLOCK_TYPES are read by read_blocks and dequantized at load (`tensors`), no CPU kernel takes
+# them yet, and one model runs one scheme (a Q4_K_M file mixes Q4_K and Q6_K).
 QUANTIZED_TYPES: dict[str, str] = {"Q4_0": "int4", "Q4_1": "uint4", "Q8_0": "int8"}
 # Kept as float tensors either way.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 GGUF_GROUP = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
+               "Q5_K": 176, "Q6_K": 210}  # fmt: skip
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32 of the float16 they hold."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 scale bytes [B, 12] -> the 8 sub-blocks' 6-bit scales and mins
+    [B, 8]: bytes 0-3 scales 0-3 (low 6 bits), 4-7 mins 0-3; bytes 8-11 the low / high nibbles
+    of scales / mins 4-7, whose top two bits sit in bytes 0-3 / 4-7's top bits."""
+    d, m, md = raw[:, 0:4], raw[:, 4:8], raw[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[B, n * width] bytes -> [B, 2 n, width]: each run of `width` bytes as its low nibbles'
+    elements, then its high nibbles'."""
+    runs = qs.reshape(qs.shape[0], -1, 1, width)
+    return np.concatenate([runs & 15, runs >> 4], axis=2).reshape(qs.shape[0], -1, width)
 
 
 def read_blocks(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantized tensor's raw blocks ([rows, bytes a row] uint8) -> (codes [rows, K]: int8 for
-    Q8_0, else uint8 0..15; scales float32: [rows, G], or [rows, G, 2] = (d, m) for Q4_1)."""
+    """A quantized tensor's raw blocks ([rows, bytes a row] uint8) -> (codes [rows, K]: int8
+    for the int8 formats, else uint8; scales float32 [rows, G], or [rows, G, 2] = (s, m) for
+    the uint formats), G = K / BLOCK_TYPES' group."""
     rows = data.shape[0]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)  # [rows, G, bytes]
-    groups = blocks.shape[1]
-    head = 4 if type_name == "Q4_1" else 2
-    d = blocks[..., :head].copy().view(np.float16).astype(np.float32)  # [rows, G, 1 or 2]
-    qs = blocks[..., head:]
-    if type_name == "Q8_0":
-        codes = qs.view(np.int8).reshape(rows, groups * GGUF_GROUP)
-        return torch.from_numpy(codes.copy()), torch.from_numpy(d[..., 0].copy())
-    # a block's byte j holds element j (low nibble) and element j + 16 (high nibble)
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, groups * GGUF_GROUP)
-    scales = d if type_name == "Q4_1" else d[..., 0]
-    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales))
+    blocks = np.ascontiguousarray(data).reshape(-1, BLOCK_BYTES[type_name])  # [B, bytes]
+    n = blocks.shape[0]
+    m = None
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        head = 4 if type_name == "Q4_1" else 2
+        d = _f16(blocks[:, 0:2])[:, None]  # [B, 1]
+        if type_name == "Q4_1":
+            m = _f16(blocks[:, 2:4])[:, None]
+        qs = blocks[:, head:]
+        if type_name == "Q8_0":
+            codes = qs.view(np.int8)
+        else:  # a block's byte j holds element j (low nibble) and element j + 16 (high)
+            codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    elif type_name in ("Q5_0", "Q5_1"):
+        head = 4 if type_name == "Q5_1" else 2
+        d = _f16(blocks[:, 0:2])[:, None]
+        if type_name == "Q5_1":
+            m = _f16(blocks[:, 2:4])[:, None]
+        qh = np.ascontiguousarray(blocks[:, head : head + 4]).view(np.uint32)  # [B, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [B, 32]
+        qs = blocks[:, head + 4 :]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1) | (high << 4)
+        if type_name == "Q5_0":
+            codes = codes.astype(np.int8) - np.int8(16)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blocks[:, 0:2])[:, None], _f16(blocks[:, 2:4])[:, None]
+        sc, mn = _k_scales(blocks[:, 4:16])
+        d, m = d * sc, -(dmin * mn)  # [B, 8] each: the sub-blocks' scale and offset
+        if type_name == "Q4_K":
+            codes = _nibbles(blocks[:, 16:], 32).reshape(n, 256)
+        else:
+            qh = blocks[:, 16:48]  # [B, 32]: bit i of byte j is sub-block i's element j
+            high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+            codes = (_nibbles(blocks[:, 48:], 32) | (high << 4)).reshape(n, 256)
+    elif type_name == "Q6_K":
+        ql, qh = blocks[:, 0:128], blocks[:, 128:192]
+        scales = blocks[:, 192:208].view(np.int8).astype(np.float32)  # [B, 16]
+        d = _f16(blocks[:, 208:210])[:, None] * scales  # [B, 16]
+        low = _nibbles(ql, 64).reshape(n, 8, 32)
+        # qh: each run of 32 bytes holds four 32-element sub-runs, two bits each
+        runs = (
+            qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+        )
+        high = (runs & 3).reshape(n, 8, 32)
+        codes = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(n, 256)
+    else:
+        raise UnsupportedModelError(f"GGUF type {type_name} is not read as blocks")
+    codes = codes.reshape(rows, -1)
+    groups = codes.shape[1] // BLOCK_TYPES[type_name][1]
+    scale = d.reshape(rows, groups)
+    if m is not None:
+        scale = np.stack([scale, m.reshape(rows, groups)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(
+        np.ascontiguousarray(scale, dtype=np.float32)
+    )
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -63,7 +63,7 @@ ACTIVATIONS = ("none", "token", "tensor")
 INT_WEIGHTS = ("int8", "uint8", "int4", "uint4", "uint4_zp", "uint8_zp")  # weight-only, per group
 INT_BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "uint4_zp": 4, "uint8_zp": 8}
 WEIGHTS = ("fp8_e4m3", *INT_WEIGHTS)
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF Q6_K's sub-blocks
 LAYOUTS = ("plain", "int4pack_cpu")
 # ATen's CPU int4 layout packs rows in blocks of this many.
 INT4PACK_BLOCK_N = 64

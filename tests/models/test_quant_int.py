@@ -72,6 +72,28 @@ def test_gguf_blocks_dequantize_bit_equal_to_gguf(kind: str) -> None:
     assert torch.equal(ours, torch.from_numpy(dequantize(blocks, qtype)))
 
 
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_k_and_5bit_blocks_dequantize_bit_equal_to_gguf(kind: str) -> None:
+    """Random block bytes (every bit pattern of codes and 6-bit scales; finite float16 d,
+    dmin), read by read_blocks, against gguf's own dequantize."""
+    rng = np.random.default_rng(2)
+    rows, size = 4, mg.BLOCK_BYTES[kind]
+    per_row = 2  # blocks a row
+    raw = rng.integers(0, 256, (rows * per_row, size), dtype=np.uint8)
+    halves = rng.uniform(-0.1, 0.1, (rows * per_row, 2)).astype(np.float16).view(np.uint8)
+    where = {"Q6_K": [208], "Q5_0": [0]}.get(kind, [0, 2])  # d (and dmin / m)
+    for i, at in enumerate(where):
+        raw[:, at : at + 2] = halves[:, 2 * i : 2 * i + 2]
+    data = raw.reshape(rows, per_row * size)
+    codes, scales = mg.read_blocks(data, kind)
+    weight, group = mg.BLOCK_TYPES[kind]
+    scheme = QuantScheme("group", "none", weight=weight, group=group)
+    packed = pack_int4(codes, "plain") if scheme.bits == 4 else codes
+    ours = dequantize_int_ref(packed, scales, scheme)
+    want = dequantize(data, gguf.GGMLQuantizationType[kind])
+    assert torch.equal(ours, torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("weight", ["int4", "uint4"])
 def test_int4pack_scales_change_the_weight_by_their_rounding_only(weight: str) -> None:
     """The CPU layout's (scale, zero) in bfloat16 against the plain fp32 dequantization."""
