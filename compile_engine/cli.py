@@ -134,6 +134,23 @@ def _build_artifact(args: argparse.Namespace, out: str, progress, steps):
     )
 
 
+def _prefill_graphs(manifest) -> str:
+    """Which capture sizes also get a prefill graph (compiler/cuda_graphs.py `prefill_rows`),
+    from the artifact's passes, kernel config and max_num_seqs."""
+    from compile_engine.compiler.cuda_graphs import prefill_rows
+
+    counts = {p["name"]: p["matches"] for p in manifest.passes}
+    config = manifest.kernel()
+    max_num_seqs = manifest.engine_args.get("max_num_seqs")
+    if max_num_seqs is None:
+        return "prefill graphs: max_num_seqs not recorded"
+    rows = prefill_rows(counts, config, manifest.capture_sizes, max_num_seqs)
+    if not rows:
+        return "prefill graphs: none (every size's shapes already pick the kernel a chunk needs)"
+    spans = ", ".join(f"{size} ({slots} slots)" for size, slots in rows.items())
+    return f"prefill graphs (tiled attention, fewer sequence slots) beside sizes {spans}"
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from compile_engine.compiler.artifact import Manifest
 
@@ -158,6 +175,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  piece {piece['key']}: {piece['nodes']} nodes, used {piece['reused_by'] + 1}x")
     sizes = manifest.capture_sizes
     print(f"graphs     {f'captured at serve start for {sizes}' if sizes else 'none (CPU)'}")
+    if sizes:
+        print(f"           {_prefill_graphs(manifest)}")
     print(f"kernels    {len(manifest.kernels)} files under kernels/")
     tuning = manifest.kernel_config
     settings = tuning.get("settings", {})

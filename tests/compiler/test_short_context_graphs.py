@@ -218,3 +218,20 @@ def _chunks(lens: list[int], starts: list[int]) -> AttentionMetadata:
         slot_mapping=torch.arange(starts[-1]),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
     )
+
+
+def test_inspect_names_the_prefill_graphs():
+    # What `compile-engine inspect` prints for an h100 artifact, from its manifest alone.
+    import types
+
+    from compile_engine.cli import _prefill_graphs
+
+    manifest = types.SimpleNamespace(
+        passes=[{"name": "rotary_into_attention", "matches": 32}],
+        kernel=tuning.default,
+        engine_args={"max_num_seqs": 32},
+        capture_sizes=[1, 2, 4, 8, 16, 32, 48, 64, 128],
+    )
+    assert _prefill_graphs(manifest).endswith("beside sizes 32 (16 slots), 48 (24 slots)")
+    manifest.passes = [{"name": "mla_absorb", "matches": 3}]
+    assert _prefill_graphs(manifest).startswith("prefill graphs: none")
