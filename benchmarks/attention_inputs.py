@@ -25,7 +25,7 @@ from compile_engine.kernels_generated.paged_attention import (
 )
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.mla import mla_latent_attention_ref
-from compile_engine.models.ops import paged_attention_ref
+from compile_engine.models.ops import KV_FP8_DTYPE, paged_attention_ref, quantize_kv
 from compile_engine.models.rope import cos_sin_table
 
 # --------------------------------------------------------------------------- paged attention
@@ -44,6 +44,9 @@ class PagedBatch:
     seq_lens: Tensor
     query_start_loc: Tensor
     scale: float
+    # An FP8 cache's per-tensor scales (float32 scalars); None for a cache of the model dtype.
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
 
     def args(self, kv_cache: Tensor | None = None) -> tuple:
         cache = self.kv_cache if kv_cache is None else kv_cache
@@ -57,6 +60,8 @@ class PagedBatch:
             self.seq_lens,
             self.query_start_loc,
             self.scale,
+            self.k_scale,
+            self.v_scale,
         )
 
     def kv_bytes_read(self) -> int:
@@ -145,8 +150,12 @@ def make_batch(
     table_width: int | None = None,
     num_blocks: int | None = None,
     seed: int = 0,
+    kv_cache_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> PagedBatch:
-    """Random q/k/v and cache for sequences laid out by `paged_layout` (same arguments)."""
+    """Random q/k/v and cache for sequences laid out by `paged_layout` (same arguments).
+    kv_cache_dtype float8_e4m3fn: an FP8 cache of random K/V quantized by `kv_scales` (k, v),
+    which the batch carries as its k_scale / v_scale; None: a cache of `dtype`."""
     layout = paged_layout(
         q_lens, seq_lens, block_size=block_size, device=device, pad_tokens=pad_tokens,
         pad_seqs=pad_seqs, table_width=table_width, num_blocks=num_blocks, seed=seed,
@@ -160,16 +169,31 @@ def make_batch(
         return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
     cache_shape = (2, layout.num_blocks, block_size, num_kv_heads, head_dim)
+    q = randn(num_tokens, num_q_heads, head_dim)
+    k = randn(num_tokens, num_kv_heads, head_dim)
+    v = randn(num_tokens, num_kv_heads, head_dim)
+    kv_cache = randn(*cache_shape)
+    k_scale = v_scale = None
+    if kv_cache_dtype is not None and kv_cache_dtype != dtype:
+        if kv_cache_dtype != KV_FP8_DTYPE:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: the model dtype or {KV_FP8_DTYPE}")
+        k_scale, v_scale = (torch.tensor(s, dtype=torch.float32, device=device) for s in kv_scales)
+        kv_cache = torch.stack(
+            [quantize_kv(kv_cache[0], k_scale, kv_cache_dtype),
+             quantize_kv(kv_cache[1], v_scale, kv_cache_dtype)]
+        )  # fmt: skip
     return PagedBatch(
-        q=randn(num_tokens, num_q_heads, head_dim),
-        k=randn(num_tokens, num_kv_heads, head_dim),
-        v=randn(num_tokens, num_kv_heads, head_dim),
-        kv_cache=randn(*cache_shape),
+        q=q,
+        k=k,
+        v=v,
+        kv_cache=kv_cache,
         slot_mapping=layout.slot_mapping,
         block_tables=layout.block_tables,
         seq_lens=layout.seq_lens,
         query_start_loc=layout.query_start_loc,
         scale=1.0 / math.sqrt(head_dim),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -221,7 +245,7 @@ def check(
         got = paged_attention_triton(*batch.args(cache_out), **launch)
     else:
         q, k, v, positions, table = rotary_inputs(batch, rot_dim)
-        rest = batch.args()[4:]  # slot_mapping ... scale
+        rest = batch.args()[4:]  # slot_mapping ... scale, k_scale, v_scale
         expected = paged_attention_rotary_ref(q, k, v, cache_ref, *rest, positions, table)
         got = paged_attention_triton(
             q, k, v, cache_out, *rest, positions=positions, cos_sin_cache=table, **launch

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compile_engine.models.ops import paged_attention_fake, paged_attention_ref
+from compile_engine.models.ops import KV_FP8_DTYPE, paged_attention_fake, paged_attention_ref
 
 
 def paged_attention_cpu_impl(
@@ -30,12 +30,16 @@ def paged_attention_cpu_impl(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     tokens, batch = q.shape[0], seq_lens.shape[0]
-    if tokens != batch or int(query_start_loc[-1]) != tokens:  # not one new token a sequence
+    # Not one new token a sequence, or an FP8 cache (the reference quantizes and dequantizes).
+    if tokens != batch or int(query_start_loc[-1]) != tokens or kv_cache.dtype == KV_FP8_DTYPE:
         return paged_attention_ref(
-            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
-        )
+            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+            k_scale, v_scale,
+        )  # fmt: skip
     _, num_blocks, block_size, heads_kv, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads_kv, head_dim)
     flat[:, slot_mapping] = torch.stack([k, v]).to(kv_cache.dtype)  # [2, T, Hkv, D]
@@ -63,7 +67,8 @@ def paged_attention_cpu_impl(
 _LIB = torch.library.Library("ce_kernels", "FRAGMENT")
 _LIB.define(
     "paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, str config_key)"
+    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? k_scale, "
+    "Tensor? v_scale, str config_key)"
     " -> Tensor"
 )
 
@@ -78,12 +83,15 @@ def _paged_attention_cpu(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     config_key: str,
 ) -> Tensor:
     """`ce.paged_attention`'s schema (plus the kernel config's key, unused here)."""
     return paged_attention_cpu_impl(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
-    )
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 _LIB.impl("paged_attention_cpu", _paged_attention_cpu, "CPU")
@@ -100,6 +108,8 @@ def paged_attention_cpu_fake(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     config_key: str,
 ) -> Tensor:
     return paged_attention_fake(

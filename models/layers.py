@@ -157,6 +157,29 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # One table shared by every layer (64 MB at Llama 3.1's 128k positions).
         self.rotary_emb = rotary_emb
+        # An FP8 KV cache's per-tensor scales (models/ops.py `quantize_kv`): the checkpoint's
+        # (`self_attn.k_scale` and the other names `load_kv_scale` takes), else 1.0. Float32
+        # tensors, not Python floats: the weights are read while the forward is traced, and a
+        # kernel reads a tensor's current value where a traced float would stay a constant.
+        self.register_buffer("k_scale", torch.ones(()), persistent=False)
+        self.register_buffer("v_scale", torch.ones(()), persistent=False)
+
+    def init_buffers(self) -> None:
+        device = self.k_scale.device
+        self.k_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.v_scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def load_kv_scale(self, which: str, tensor: Tensor | LazyTensor, name: str) -> None:
+        """Fill `k_scale` or `v_scale` from the checkpoint tensor `name` (one value)."""
+        if tensor.shape.numel() != 1:
+            raise CheckpointError(
+                f"{name}: a KV-cache scale must hold one value (per tensor), got shape "
+                f"{tuple(tensor.shape)}"
+            )
+        if isinstance(tensor, LazyTensor):
+            tensor = tensor.read()
+        with torch.no_grad():
+            getattr(self, which).copy_(tensor.reshape(()).float())
 
     def forward(
         self, positions: Tensor, hidden: Tensor, kv_cache: Tensor, meta: AttentionMetadata
@@ -180,6 +203,8 @@ class Attention(nn.Module):
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
+            self.k_scale,
+            self.v_scale,
         )  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, self.q_size))
 

@@ -11,6 +11,11 @@ index 0 keys and 1 values. A token's slot is `block_id * block_size + offset`. K
 head_dim innermost and a block's tokens contiguous lets a kernel read one block of one head as
 a dense [block_size, head_dim] tile, and lets the reference view the cache as
 `[num_blocks * block_size, num_kv_heads, head_dim]` for the write.
+
+FP8 KV cache (`kv_cache_dtype="fp8"`, vLLM's): the cache tensor is float8_e4m3fn and each
+attention layer has per-tensor float32 scales `k_scale`, `v_scale` (the checkpoint's, else 1.0):
+a write stores `clamp(x / scale, -448, 448)` rounded to e4m3, a read gives `cached * scale`
+(`quantize_kv`, `dequantize_kv`). In a cache of the model dtype the scales are not used.
 """
 
 from __future__ import annotations
@@ -122,12 +127,56 @@ def silu_and_mul_fake(x: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- paged_attention
 
+KV_FP8_DTYPE = torch.float8_e4m3fn  # what kv_cache_dtype "fp8" / "fp8_e4m3" allocates
+KV_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# What kv_cache_dtype takes (vLLM's names): "auto" is the model dtype, "fp8" means e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
-def write_kv_ref(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for a kv_cache_dtype setting."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return KV_FP8_DTYPE
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of "
+        f"{', '.join(KV_CACHE_DTYPES)}"
+    )
+
+
+def quantize_kv(x: Tensor, scale: Tensor | None, cache_dtype: torch.dtype) -> Tensor:
+    """x as a cache of `cache_dtype` stores it: FP8 e4m3 of x / scale (saturated at 448, as
+    vLLM's cache write), or x in the cache's dtype (scale unused)."""
+    if cache_dtype != KV_FP8_DTYPE:
+        return x.to(cache_dtype)
+    scaled = x.float() if scale is None else x.float() / scale.float()
+    return scaled.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(cached: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """What a read of cached K or V gives, in `dtype`: FP8 values times their scale."""
+    if cached.dtype != KV_FP8_DTYPE:
+        return cached.to(dtype)
+    values = cached.float()
+    return (values if scale is None else values * scale.float()).to(dtype)
+
+
+def write_kv_ref(
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = quantize_kv(k, k_scale, kv_cache.dtype), quantize_kv(v, v_scale, kv_cache.dtype)
+    if kv_cache.dtype == KV_FP8_DTYPE:  # index_copy_ has no float8 kernel: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
 
 
 def _gather(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -147,12 +196,15 @@ def paged_attention_ref(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Write the new K/V through slot_mapping, then per sequence gather its blocks and run
     masked SDPA. Query i of a sequence with seq_len L and q_len Q sits at position L - Q + i and
     sees keys 0..L-Q+i: causal among the new tokens, full attention to the cached context.
-    Rows past query_start_loc[-1] (padding) come out zero."""
-    write_kv_ref(k, v, kv_cache, slot_mapping)
+    Rows past query_start_loc[-1] (padding) come out zero. An FP8 cache is written quantized
+    by k_scale / v_scale and read dequantized (`quantize_kv`, `dequantize_kv`)."""
+    write_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -164,7 +216,7 @@ def paged_attention_ref(
         elif q_len > 1:
             prefill.append(b)
     if decode:
-        _decode_batch(q, kv_cache, block_tables, lens, starts, decode, scale, out)
+        _decode_batch(q, kv_cache, block_tables, lens, starts, decode, scale, out, k_scale, v_scale)
     for b in prefill:
         start, end, seq_len = starts[b], starts[b + 1], lens[b]
         keys = _gather(kv_cache[0], block_tables[b], seq_len)  # [L, Hkv, D]
@@ -173,8 +225,8 @@ def paged_attention_ref(
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
-            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            dequantize_kv(keys, k_scale, q.dtype).transpose(0, 1).unsqueeze(0),
+            dequantize_kv(values, v_scale, q.dtype).transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
@@ -192,6 +244,8 @@ def _decode_batch(
     rows: list[int],
     scale: float,
     out: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """All one-token sequences in one SDPA call: pad their contexts to the longest."""
     block_size = kv_cache.shape[2]
@@ -206,8 +260,8 @@ def _decode_batch(
     mask = torch.arange(max_len, device=q.device)[None, :] < seq[:, None]  # [B, Lmax]
     o = F.scaled_dot_product_attention(
         q[tok].unsqueeze(2),  # [B, Hq, 1, D]
-        keys.to(q.dtype).transpose(1, 2),
-        values.to(q.dtype).transpose(1, 2),
+        dequantize_kv(keys, k_scale, q.dtype).transpose(1, 2),
+        dequantize_kv(values, v_scale, q.dtype).transpose(1, 2),
         attn_mask=mask[:, None, None, :],
         scale=scale,
         enable_gqa=True,
@@ -226,17 +280,21 @@ def paged_attention(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Attention over a packed batch through a paged KV cache, with the KV write fused.
 
     q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [2, N, block_size, Hkv, D] (written in place);
     slot_mapping [T] int64; block_tables [B, max_blocks] int32; seq_lens [B] (context length
     including this step's tokens); query_start_loc [B + 1] (offsets of each sequence's new
-    tokens in T). Returns [T, Hq, D].
+    tokens in T); k_scale, v_scale: float32 scalars, an FP8 cache's per-tensor scales (None:
+    1.0; models pass their layer's). Returns [T, Hq, D].
     """
     return paged_attention_ref(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
-    )
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 @paged_attention.register_fake
@@ -250,6 +308,8 @@ def paged_attention_fake(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Shape of the output; shared by every kernel lowering of the op (same schema)."""
     return torch.empty_like(q)

@@ -25,7 +25,7 @@ from compile_engine.passes.registry import register
 def _rotary_pair(attention: fx.Node) -> fx.Node | None:
     """The ce.rotary node whose outputs 0 and 1 are the attention's q and k and feed nothing
     else, or None."""
-    if attention.kwargs or len(attention.args) != 9:
+    if attention.kwargs or len(attention.args) not in (9, 11):  # without / with the KV scales
         return None
     q, k = attention.args[0], attention.args[1]
     for node, index in ((q, 0), (k, 1)):
@@ -71,9 +71,10 @@ class RotaryIntoAttention(GraphPass):
             if rotary is None:
                 continue
             positions, q, k, cos_sin_cache = rotary.args
+            rest = (*attention.args[2:], None, None)[:9]  # v .. scale, k_scale, v_scale
             with graph.inserting_before(attention):
                 node = graph.call_function(
-                    fused, (q, k, *attention.args[2:], positions, cos_sin_cache, ctx.kernel.key)
+                    fused, (q, k, *rest, positions, cos_sin_cache, ctx.kernel.key)
                 )
             node.meta.update(attention.meta)
             attention.replace_all_uses_with(node)

@@ -118,6 +118,30 @@ def _load_rotated(
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32
+    arithmetic: the Triton interpreter's float32 -> float8 cast rounds values just below a
+    power of two down a binade (126.6 -> 64; measured on triton 3.7.1), exact ones it casts
+    right. The step is 2^(exponent - 3) over e4m3's normal range, 2^-9 below it (subnormal);
+    adding and taking away 1.5 * 2^23 rounds x / step to an integer, ties to even."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    return ((x / step + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def _to_cache(x, scale, cache_ptr, FP8_KV: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """K or V rows as the cache at cache_ptr stores them (`models.ops.quantize_kv`): FP8 e4m3
+    of x / scale saturated at 448 (scale a float32 scalar), else x in the cache's dtype."""
+    if FP8_KV:
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+        if COMPUTE_F32:
+            y = _round_to_e4m3(y)
+        return y.to(cache_ptr.dtype.element_ty)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _attend_tile(
     q,  # [ROWS, D]
     m_i,  # [ROWS] running max (base 2)
@@ -141,6 +165,8 @@ def _attend_tile(
     positions_ptr,  # [T] each token's position (ROTARY only)
     cos_sin_ptr,
     stride_cs,
+    k_scale,  # an FP8 cache's scales (FP8_KV only): this step's keys are quantized by them
+    v_scale,
     FROM_CACHE: tl.constexpr,
     CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
@@ -150,11 +176,15 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
     ROT_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """One online-softmax step over keys start .. start + BLOCK_N (those below hi). K and V
     come from the cache through the block table (FROM_CACHE: keys before context_len, which
     earlier steps wrote) or from the k/v inputs, row new_row0 + pos - context_len (this step's
-    keys: the programs that write them to the cache run in this same launch)."""
+    keys: the programs that write them to the cache run in this same launch). With FP8_KV
+    both come in the cache's units (values / scale, rounded to e4m3 as the cache write rounds
+    them, this step's keys too): the caller folds k_scale into qk_scale and v_scale into the
+    output."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < hi
     offs_d = tl.arange(0, HEAD_DIM)[None, :]
@@ -163,6 +193,9 @@ def _attend_tile(
         row = block * stride_cache_block + (pos % KV_BLOCK_SIZE) * stride_cache_slot
         k = tl.load(k_cache_ptr + row[:, None] + offs_d, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d, mask=valid[:, None], other=0.0)
+        if FP8_KV:  # e4m3 values are exact in bf16 / fp16: the dot runs in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
     else:
         rows = (new_row0 + pos - context_len).to(tl.int64)
         key_pos = rows  # unused without ROTARY
@@ -171,6 +204,9 @@ def _attend_tile(
         k = _load_rotated(k_new_ptr + rows[:, None] * stride_kt, offs_d, key_pos[:, None],
                           valid[:, None], cos_sin_ptr, stride_cs, ROT_DIM, ROTARY)  # fmt: skip
         v = tl.load(v_new_ptr + rows[:, None] * stride_vt + offs_d, mask=valid[:, None], other=0.0)
+        if FP8_KV:  # what the cache will hold, so that every key is read alike
+            k = _to_cache(k, k_scale, k_cache_ptr, FP8_KV, COMPUTE_F32).to(q.dtype)
+            v = _to_cache(v, v_scale, v_cache_ptr, FP8_KV, COMPUTE_F32).to(q.dtype)
     if COMPUTE_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -215,6 +251,8 @@ def _attend_span(
     positions_ptr,
     cos_sin_ptr,
     stride_cs,
+    k_scale,
+    v_scale,
     FROM_CACHE: tl.constexpr,
     CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
@@ -224,6 +262,7 @@ def _attend_span(
     DOT_PRECISION: tl.constexpr,
     ROT_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
+    FP8_KV: tl.constexpr,
     LOOP_STAGES: tl.constexpr = None,  # the GPU loop's pipeline depth; None: the launch's
 ):
     """`_attend_tile` over keys lo .. hi, BLOCK_N at a time, from one source."""
@@ -236,8 +275,8 @@ def _attend_span(
                 q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
                 k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
                 stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
-                stride_cs, FROM_CACHE, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
-                DOT_PRECISION, ROT_DIM, ROTARY,
+                stride_cs, k_scale, v_scale, FROM_CACHE, CAUSAL, KV_BLOCK_SIZE, BLOCK_N,
+                HEAD_DIM, COMPUTE_F32, DOT_PRECISION, ROT_DIM, ROTARY, FP8_KV,
             )  # fmt: skip
             start += BLOCK_N
     else:
@@ -247,8 +286,8 @@ def _attend_span(
                 q, m_i, l_i, acc, start, hi, row_last, context_len, new_row0, table_row,
                 k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
                 stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
-                stride_cs, FROM_CACHE, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
-                DOT_PRECISION, ROT_DIM, ROTARY,
+                stride_cs, k_scale, v_scale, FROM_CACHE, CAUSAL, KV_BLOCK_SIZE, BLOCK_N,
+                HEAD_DIM, COMPUTE_F32, DOT_PRECISION, ROT_DIM, ROTARY, FP8_KV,
             )  # fmt: skip
     return m_i, l_i, acc
 
@@ -277,6 +316,8 @@ def _attend_keys(
     positions_ptr,
     cos_sin_ptr,
     stride_cs,
+    k_scale,
+    v_scale,
     CAUSAL: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -285,6 +326,7 @@ def _attend_keys(
     DOT_PRECISION: tl.constexpr,
     ROT_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """Online softmax over keys lo .. hi: a loop over the cached ones (below context_len),
     then one over this step's. Two loops, so each loads only K and V: with both sources in
@@ -295,8 +337,9 @@ def _attend_keys(
     m_i, l_i, acc = _attend_span(
         q, m_i, l_i, acc, lo, cache_hi, row_last, context_len, new_row0, table_row,
         k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
-        stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, True, CAUSAL,
-        KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION, ROT_DIM, ROTARY,
+        stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, k_scale, v_scale,
+        True, CAUSAL, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION, ROT_DIM,
+        ROTARY, FP8_KV,
     )  # fmt: skip
     # This step's keys rotated as they load go in 16-key tiles, unpipelined. Pipelined
     # BLOCK_N tiles staged k, its partner half, cos and sin a stage: in an offline sm_90
@@ -307,9 +350,9 @@ def _attend_keys(
     m_i, l_i, acc = _attend_span(
         q, m_i, l_i, acc, new_lo, hi, row_last, context_len, new_row0, table_row,
         k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block, stride_cache_slot,
-        stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, False, CAUSAL,
-        KV_BLOCK_SIZE, 16 if ROTATED_TILES else BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-        ROT_DIM, ROTARY, 1 if ROTATED_TILES else None,
+        stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr, stride_cs, k_scale, v_scale,
+        False, CAUSAL, KV_BLOCK_SIZE, 16 if ROTATED_TILES else BLOCK_N, HEAD_DIM, COMPUTE_F32,
+        DOT_PRECISION, ROT_DIM, ROTARY, FP8_KV, 1 if ROTATED_TILES else None,
     )  # fmt: skip
     return m_i, l_i, acc
 
@@ -353,6 +396,8 @@ def _paged_attention_kernel(
     positions_ptr,  # [T] each token's position (ROTARY only)
     cos_sin_ptr,  # [max_pos, ROT_DIM] (ROTARY only)
     stride_cs,
+    k_scale_ptr,  # [] float32 an FP8 cache's scales (FP8_KV only)
+    v_scale_ptr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP padded to tl.dot's minimum
     HEAD_DIM: tl.constexpr,
@@ -367,6 +412,7 @@ def _paged_attention_kernel(
     BY_SEQ: tl.constexpr = False,  # grid over sequences; only one-token sequences work
     ROT_DIM: tl.constexpr = 0,  # the rotary's width (ROTARY only)
     ROTARY: tl.constexpr = False,  # q and k arrive unrotated: rotate them here
+    FP8_KV: tl.constexpr = False,  # the cache is float8_e4m3fn, scaled by k/v_scale_ptr
     PDL: tl.constexpr = False,  # a PDL dependent: waits for the kernel ahead, releases the next
     # after the key loops (tuning.py)
 ):
@@ -435,6 +481,14 @@ def _paged_attention_kernel(
     v_new_ptr += kv_head * stride_vh
     k_cache_ptr += kv_head * stride_cache_head
     v_cache_ptr += kv_head * stride_cache_head
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:
+        # Keys and values are read in the cache's units: k_scale goes into the scores' scale,
+        # v_scale onto the output (one multiply each, not one a loaded element).
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        qk_scale = qk_scale * k_scale
 
     # The token's own K and V: key num_keys - 1 is the token itself (row `token` of k/v).
     token_pos = token  # unused without ROTARY
@@ -443,6 +497,11 @@ def _paged_attention_kernel(
     k_row = _load_rotated(k_new_ptr + token.to(tl.int64) * stride_kt, offs_d, token_pos, mine,
                           cos_sin_ptr, stride_cs, ROT_DIM, ROTARY)  # fmt: skip
     v_row = tl.load(v_new_ptr + token.to(tl.int64) * stride_vt + offs_d, mask=mine, other=0.0)
+    k_store = _to_cache(k_row, k_scale, k_cache_ptr, FP8_KV, COMPUTE_F32)
+    v_store = _to_cache(v_row, v_scale, v_cache_ptr, FP8_KV, COMPUTE_F32)
+    if FP8_KV:  # the token's own key as the cache holds it, like every other key it sees
+        k_row = k_store.to(k_row.dtype)
+        v_row = v_store.to(v_row.dtype)
     # The KV-cache write, fused: each token's (first-split) program stores its own K and V.
     # No program of this launch reads them back from the cache (see _attend_tile). Padding
     # tokens' slot is 0, the runtime's scratch block.
@@ -453,8 +512,8 @@ def _paged_attention_kernel(
             + (slot % KV_BLOCK_SIZE) * stride_cache_slot
             + offs_d
         )
-        tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=mine)
-        tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mine)
+        tl.store(k_cache_ptr + dst, k_store, mask=mine)
+        tl.store(v_cache_ptr + dst, v_store, mask=mine)
 
     q = _load_rotated(
         q_ptr + token * stride_qt + heads[:, None] * stride_qh, offs_d[None, :], token_pos,
@@ -476,8 +535,8 @@ def _paged_attention_kernel(
         q, m_i, l_i, acc, key_lo, key_hi - own.to(tl.int32), m_i, context_len, q_start,
         table_row, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, stride_cache_block,
         stride_cache_slot, stride_kt, stride_vt, qk_scale, positions_ptr, cos_sin_ptr,
-        stride_cs, False, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION,
-        ROT_DIM, ROTARY,
+        stride_cs, k_scale, v_scale, False, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
+        DOT_PRECISION, ROT_DIM, ROTARY, FP8_KV,
     )  # fmt: skip
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -489,6 +548,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + p_own
         acc = acc * alpha[:, None] + p_own[:, None] * v_row.to(tl.float32)[None, :]
         m_i = m_new
+    if FP8_KV:
+        acc = acc * v_scale  # linear in acc: a split's partial takes it as the output does
 
     out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     ws_rows = (token * num_q_heads + heads) * NUM_SPLITS  # [BLOCK_G] each head's split 0
@@ -604,6 +665,8 @@ def _paged_attention_tiled_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_bt,
+    k_scale_ptr,  # [] float32 an FP8 cache's scales (FP8_KV only)
+    v_scale_ptr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_M: tl.constexpr,  # query tokens per tile; BLOCK_M * GROUP_P2 >= 16 dot rows
@@ -612,6 +675,7 @@ def _paged_attention_tiled_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_KV: tl.constexpr = False,  # the cache is float8_e4m3fn, scaled by k/v_scale_ptr
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -649,6 +713,12 @@ def _paged_attention_tiled_kernel(
     k_new_ptr += kv_head * stride_kh
     v_new_ptr += kv_head * stride_vh
     head_offset = kv_head * stride_cache_head
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:  # read in the cache's units, as in _paged_attention_kernel
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        qk_scale = qk_scale * k_scale
 
     # The KV-cache write, fused: the tile's program stores its tokens' K and V (padding ones
     # into block 0, the runtime's scratch). Nothing of this launch reads them from the cache.
@@ -666,8 +736,10 @@ def _paged_attention_tiled_kernel(
     src = tokens.to(tl.int64)[:, None]
     k_rows = tl.load(k_new_ptr + src * stride_kt + offs_d[None, :], mask=token_ok[:, None])
     v_rows = tl.load(v_new_ptr + src * stride_vt + offs_d[None, :], mask=token_ok[:, None])
-    tl.store(k_cache_ptr + dst, k_rows.to(k_cache_ptr.dtype.element_ty), mask=token_ok[:, None])
-    tl.store(v_cache_ptr + dst, v_rows.to(v_cache_ptr.dtype.element_ty), mask=token_ok[:, None])
+    k_rows = _to_cache(k_rows, k_scale, k_cache_ptr, FP8_KV, COMPUTE_F32)
+    v_rows = _to_cache(v_rows, v_scale, v_cache_ptr, FP8_KV, COMPUTE_F32)
+    tl.store(k_cache_ptr + dst, k_rows, mask=token_ok[:, None])
+    tl.store(v_cache_ptr + dst, v_rows, mask=token_ok[:, None])
 
     # Dot rows: row r is query token r // GROUP_P2 of the tile, head r % GROUP_P2 of the group.
     offs_r = tl.arange(0, BLOCK_M * GROUP_P2)
@@ -696,10 +768,12 @@ def _paged_attention_tiled_kernel(
         q, m_i, l_i, acc, key_hi * 0, key_hi, row_last, context_len, q_start, table_row,
         k_cache_ptr + head_offset, v_cache_ptr + head_offset, k_new_ptr, v_new_ptr,
         stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale, k_new_ptr,
-        k_new_ptr, 0, True, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32, DOT_PRECISION, 0,
-        False,
+        k_new_ptr, 0, k_scale, v_scale, True, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
+        DOT_PRECISION, 0, False, FP8_KV,
     )  # fmt: skip
 
+    if FP8_KV:
+        acc = acc * v_scale
     # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(

@@ -29,6 +29,7 @@ from compile_engine.kernels_generated.paged_attention.kernels import (
 )
 from compile_engine.kernels_generated.rotary import rotary_triton
 from compile_engine.kernels_generated.tuning import KernelConfig
+from compile_engine.models.ops import KV_FP8_DTYPE
 
 LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: scores scaled by log2(e)
 MIN_DOT = 16  # tl.dot needs M, N, K >= 16
@@ -186,6 +187,11 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, block_tables: T
         )
     if not kv_cache.is_contiguous():
         raise PagedAttentionKernelError("kv_cache must be contiguous (the engine allocates it so)")
+    if kv_cache.element_size() == 1 and kv_cache.dtype != KV_FP8_DTYPE:
+        raise PagedAttentionKernelError(
+            f"a {kv_cache.dtype} KV cache is not supported; FP8 caches are float8_e4m3fn "
+            "(kv_cache_dtype 'fp8' / 'fp8_e4m3')"
+        )
     if block_tables.stride(-1) != 1:
         raise PagedAttentionKernelError("block_tables must be contiguous in its last dimension")
     check_device(q, INTERPRETED, PagedAttentionKernelError, "paged-attention")
@@ -201,6 +207,8 @@ def paged_attention_triton(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     *,
     num_splits: int | None = None,
     tiled: bool | None = None,
@@ -209,7 +217,9 @@ def paged_attention_triton(
     kernel_config: KernelConfig | None = None,
 ) -> Tensor:
     """Same contract as `models.ops.paged_attention`: writes k/v into kv_cache through
-    slot_mapping, returns attention output [T, Hq, D]. num_splits: None chooses from shapes
+    slot_mapping, returns attention output [T, Hq, D]. A float8_e4m3fn cache is written as
+    k / k_scale, v / v_scale (float32 scalars on q's device; None: 1.0) and read times them.
+    num_splits: None chooses from shapes
     (`choose_num_splits`), 1 forces the single-pass kernel, > 1 forces split-KV. tiled: True
     runs the query-tiled prefill variant (no splits), False the single-token kernel, None
     chooses (`choose_tiled`, only when num_splits is None). With positions [T] and
@@ -227,7 +237,9 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
     # The kernel writes k/v into the cache itself (one launch, no index_copy kernels).
-    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # what the cache holds is what is read
+    scales = _fp8_scales(kv_cache, q, k_scale, v_scale)
+    if scales is None:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # what the cache holds is what is read
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.long()
@@ -248,12 +260,13 @@ def paged_attention_triton(
             q, k = rotary_triton(positions, q, k, cos_sin_cache, kernel_config=kernel_config)
             rotary = None
         args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-        _launch_tiled(*args, scale, out, kernel_config)
+        _launch_tiled(*args, scale, out, kernel_config, scales=scales)
         # The decode tokens of the batch, one program per sequence (the tiled kernel skips
         # one-token sequences: a lone token in a 32-token tile wastes the dot's rows; measured
         # on the H200, 540 us a layer for 1,811 prefill + 237 decode tokens, of which the
         # prefill alone took 77 us). The two launches touch disjoint tokens.
-        _launch_single(*args, scale, out, kernel_config, num_splits=1, by_seq=True, rotary=rotary)
+        _launch_single(*args, scale, out, kernel_config, num_splits=1, by_seq=True, rotary=rotary,
+                       scales=scales)  # fmt: skip
         return out
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
@@ -264,8 +277,28 @@ def paged_attention_triton(
         raise PagedAttentionKernelError(f"num_splits must be >= 1, got {num_splits}")
     _launch_single(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
                    scale, out, kernel_config, num_splits=num_splits, by_seq=False,
-                   rotary=rotary)  # fmt: skip
+                   rotary=rotary, scales=scales)  # fmt: skip
     return out
+
+
+def _fp8_scales(
+    kv_cache: Tensor, q: Tensor, k_scale: Tensor | None, v_scale: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """An FP8 cache's (k_scale, v_scale) as the kernels read them, float32 scalars on q's
+    device (1.0 where None); None for a cache of the model dtype, which takes no scales."""
+    if kv_cache.dtype != KV_FP8_DTYPE:
+        return None
+    out = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32, device=q.device)
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != q.device:
+            raise PagedAttentionKernelError(
+                f"{name} must be one float32 value on {q.device}, got {scale.dtype} "
+                f"{tuple(scale.shape)} on {scale.device}"
+            )
+        out.append(scale)
+    return out[0], out[1]
 
 
 def _rotary_args(
@@ -326,6 +359,7 @@ def _launch_single(
     num_splits: int,
     by_seq: bool,
     rotary: tuple[Tensor, Tensor] | None = None,
+    scales: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Launch `_paged_attention_kernel` (inputs already validated and converted): a program
     per token (by_seq False) or, beside the tiled kernel, per one-token sequence (by_seq)."""
@@ -365,6 +399,7 @@ def _launch_single(
             scale * LOG2E,
             *_strides(q, out, k, v, k_cache, block_tables),
             *rotary_ptrs,
+            *(scales or (slot_mapping, slot_mapping)),  # never read without FP8_KV
             GROUP=group,
             BLOCK_G=block_g,
             HEAD_DIM=head_dim,
@@ -380,6 +415,7 @@ def _launch_single(
             DOT_PRECISION=dot_precision(q),
             BY_SEQ=by_seq,
             **rotary_consts,
+            FP8_KV=scales is not None,
             # With FMA contraction the H200 skipped the rotation's rounding steps (51,248 of
             # 256 x 8 x 128 keys off by an ulp at batch 256); without it, bit-exact.
             enable_fp_fusion=rotary is None,
@@ -404,6 +440,8 @@ def _launch_tiled(
     scale: float,
     out: Tensor,
     kernel_config: KernelConfig,
+    *,
+    scales: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Launch `_paged_attention_tiled_kernel` (inputs already validated and converted)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -437,6 +475,7 @@ def _launch_tiled(
             num_seqs,
             scale * LOG2E,
             *_strides(q, out, k, v, k_cache, block_tables),
+            *(scales or (slot_mapping, slot_mapping)),  # never read without FP8_KV
             GROUP=group,
             GROUP_P2=group_p2,
             BLOCK_M=block_m,
@@ -445,6 +484,7 @@ def _launch_tiled(
             BLOCK_N=config.block_n,
             COMPUTE_F32=on_cpu,
             DOT_PRECISION=dot_precision(q),
+            FP8_KV=scales is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

@@ -27,12 +27,14 @@ def paged_attention(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     tuning_key: str,
 ) -> Tensor:
     """`ce::paged_attention` computed by the Triton kernel (split-KV chosen from shapes)."""
     return paged_attention_triton(
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-        kernel_config=tuning.resolve(tuning_key),
+        kernel_config=tuning.resolve(tuning_key), k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -47,6 +49,8 @@ def _paged_attention_kernel_fake(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     tuning_key: str,
 ) -> Tensor:
     return paged_attention_fake(
@@ -64,14 +68,17 @@ def paged_attention_rotary_ref(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     positions: Tensor,
     cos_sin_cache: Tensor,
 ) -> Tensor:
     """What `ce_kernels::paged_attention_rotary` computes: `ce::rotary`, then attention."""
     q, k = rotary_ref(positions, q, k, cos_sin_cache)
     return paged_attention_ref(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
-    )
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 # The op the rotary_into_attention pass puts in place of ce::rotary + ce::paged_attention.
@@ -86,6 +93,8 @@ def paged_attention_rotary(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     positions: Tensor,
     cos_sin_cache: Tensor,
     tuning_key: str,
@@ -95,7 +104,7 @@ def paged_attention_rotary(
     return paged_attention_triton(
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
         positions=positions, cos_sin_cache=cos_sin_cache,
-        kernel_config=tuning.resolve(tuning_key),
+        kernel_config=tuning.resolve(tuning_key), k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -110,6 +119,8 @@ def _paged_attention_rotary_fake(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     positions: Tensor,
     cos_sin_cache: Tensor,
     tuning_key: str,

@@ -373,6 +373,57 @@ def test_rejects_unsupported_head_dim():
         )  # fmt: skip
 
 
+# FP8 KV cache (kv_cache_dtype "fp8"): a float8_e4m3fn cache with per-tensor k/v scales. Every
+# variant (single-token, split-KV, tiled prefill with its per-sequence decode launch, each with
+# and without the fused rotary) must write the cache the reference writes, bit for bit (the
+# quantization of this step's keys included), and match its output over a batch mixing decodes,
+# prefill chunks with context and padding.
+FP8_MODES = {
+    "single": {"num_splits": 1},
+    "split3": {"num_splits": 3},
+    "tiled": {"tiled": True},
+    "auto": {},
+}
+
+
+@interpreted
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+@pytest.mark.parametrize("mode", list(FP8_MODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fp8_cache_matches_reference(dtype: torch.dtype, mode: str, rotary: bool):
+    batch = ai.make_batch(
+        [1, 6, 1, 3], [21, 6, 44, 13], num_q_heads=4, num_kv_heads=2,
+        head_dim=32 if dtype == torch.float16 else 16, block_size=4, dtype=dtype,
+        pad_tokens=2, pad_seqs=1, kv_cache_dtype=torch.float8_e4m3fn, kv_scales=(0.05, 0.02),
+        seed=3,
+    )  # fmt: skip
+    atol = 1e-4 if dtype == torch.float32 else 2e-3
+    rot_dim = batch.q.shape[-1] if rotary else None
+    ai.check(batch, rot_dim=rot_dim, atol=atol, **FP8_MODES[mode])
+
+
+@interpreted
+def test_fp8_cache_write_saturates_and_scales():
+    # Values past 448 * scale saturate at +-448 (vLLM's cache write), and the custom op (the
+    # pass's emission) reads the scales from the tensors the model passes.
+    batch = ai.make_batch([3], [3], block_size=4, kv_cache_dtype=torch.float8_e4m3fn,
+                          kv_scales=(0.01, 0.01))  # fmt: skip
+    batch.k[0] *= 100.0  # |k| up to ~300 over a 0.01 scale: far past e4m3's range
+    cache_ref, cache_op = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = paged_attention_ref(*batch.args(cache_ref))
+    got = torch.ops.ce_kernels.paged_attention(*batch.args(cache_op), KEY)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache_op, cache_ref)
+    assert cache_op.float().abs().max() == 448.0
+
+
+def test_fp8_cache_refuses_other_float8():
+    batch = ai.make_batch([1], [5], block_size=4)
+    cache = batch.kv_cache.to(torch.float8_e5m2)
+    with pytest.raises(pa.PagedAttentionKernelError, match="float8_e4m3fn"):
+        pa.paged_attention_triton(*batch.args(cache))
+
+
 def test_interpreter_cases_in_subprocess():
     if pa.INTERPRETED:
         pytest.skip("this session is interpreted already: the CPU cases ran in-process")
