@@ -34,6 +34,7 @@ def engine_settings(llm) -> dict:
     return {
         "target": cfg.target,
         "dtype": str(llm.engine.loaded.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(llm.engine.loaded.cache_dtype).removeprefix("torch."),
         "block_size": cfg.block_size,
         "num_kv_blocks": sched.num_blocks,
         "max_model_len": sched.max_model_len,

@@ -86,7 +86,7 @@ def weight_bytes_per_step(llm) -> int:
 def kv_bytes_per_token(llm) -> int:
     """From the model's own cache layout (K and V per head, or an MLA latent)."""
     loaded = llm.engine.loaded
-    element = torch.empty((), dtype=loaded.dtype).element_size()
+    element = torch.empty((), dtype=loaded.cache_dtype).element_size()  # 1 for an FP8 cache
     per_layer = math.prod(loaded.model.kv_cache_shape(1, 1))
     return loaded.config.num_layers * per_layer * element
 

@@ -53,6 +53,7 @@ KIND_ORDER = (
     "breakdown",
     "offline_floor",
     "paged_attention",
+    "paged_attention_fp8",
     "paged_attention_prefill",
     "gemm",
     "gemm_norm",
@@ -418,7 +419,7 @@ def _details(r: dict) -> list[str]:
         )
     elif kind == "startup":
         lines += _startup(r)
-    elif kind == "paged_attention":
+    elif kind in ("paged_attention", "paged_attention_fp8"):  # the second over an FP8 cache
         lines += _paged_attention(r)
     elif kind == "paged_attention_prefill":
         lines += _paged_attention_prefill(r)

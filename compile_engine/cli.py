@@ -119,6 +119,7 @@ def _build_artifact(args: argparse.Namespace, out: str, progress, steps):
         passes=args.passes,
         kernel_config=KernelConfig.coerce(args.kernel_config),
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         progress=progress,
         steps=steps,
         # The KV pool's activation reserve for the step sizes of `serve` and of `LLM` with
@@ -163,6 +164,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"artifact   {args.artifact}  (cache key {data['cache_key']})")
     print(f"model      {manifest.model_path} [{manifest.architecture}, {manifest.dtype}]")
     print(f"target     {manifest.target} on {manifest.device}")
+    kv_dtype = manifest.kv_cache_dtype or manifest.dtype  # older artifacts: the model dtype
+    kv_setting = manifest.engine_args.get("kv_cache_dtype", "auto")
+    print(f"kv cache   {kv_dtype} (kv_cache_dtype {kv_setting})")
     print("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     print(
         "passes     " + ", ".join(f"{p['name']} ({p['matches']} matches)" for p in manifest.passes)
@@ -355,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument(
         "--quantization", default=None, choices=["fp8"], help="online FP8 (see serve)"
+    )
+    build.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="the KV cache's element type the graph is traced over (see serve)",
     )
     build.set_defaults(func=_build)
 

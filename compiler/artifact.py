@@ -117,6 +117,9 @@ class Manifest:
     # The model's quantization (models/quant.py, `quantized_layers`): method, scheme, scale
     # kinds and the quantized layers; None for a model run in its dtype.
     quantization: dict | None = None
+    # The KV cache's element type the graph was traced over (float8_e4m3fn for
+    # kv_cache_dtype "fp8"); None in older artifacts, whose caches are of `dtype`.
+    kv_cache_dtype: str | None = None
     format: int = FORMAT_VERSION
     engine_version: str = ENGINE_VERSION
 
@@ -135,6 +138,8 @@ class Manifest:
         ]
         if self.quantization is not None:  # unquantized artifacts keep their keys
             factors.append(self.quantization.get("scheme"))
+        if self.kv_cache_dtype not in (None, self.dtype):  # so do those of model-dtype caches
+            factors.append(f"kv_cache:{self.kv_cache_dtype}")
         return hashlib.sha256(json.dumps(factors).encode()).hexdigest()[:16]
 
     def write(self, directory: Path) -> Path:
@@ -167,6 +172,8 @@ class Manifest:
         parallel = f" --tensor-parallel-size {ranks}" if ranks > 1 else ""
         if self.engine_args.get("enable_expert_parallel"):
             parallel += " --enable-expert-parallel"
+        if self.engine_args.get("kv_cache_dtype", "auto") != "auto":
+            parallel += f" --kv-cache-dtype {self.engine_args['kv_cache_dtype']}"
         return (
             f"rebuild with: compile-engine build {self.model_path} --target {self.target} "
             f"--dtype {self.dtype}{parallel} --out {directory}"

@@ -119,6 +119,7 @@ def build_artifact(
     passes: str | None = None,
     kernel_config: KernelConfig | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
     progress: Callable[[str, float], None] | None = None,
     steps: Callable[[str, int, int | None], None] | None = None,
     extra_steps: dict[str, BuildStep] | None = None,
@@ -130,6 +131,8 @@ def build_artifact(
     that serve's graphs of the same bound find their kernels in the artifact. kernel_config:
     our kernels' launch choices (None: the defaults), recorded in the manifest. quantization:
     None or "fp8" (online FP8, models/quant.py); the manifest lists the quantized layers.
+    kv_cache_dtype: "auto" or "fp8" (an e4m3 KV cache, models/ops.py), in the manifest and its
+    cache key: the graph is traced and warmed up over caches of that dtype.
     progress hears each stage's time when it ends; steps the compile's pieces and the warm-up's
     sizes as they go (task, done, total). parallel: build rank 0's shard of a tensor-parallel
     artifact, whose other ranks run `compile_shard` meanwhile (runtime/parallel.py
@@ -149,6 +152,7 @@ def build_artifact(
         max_model_len=max_model_len,
         quantization=quantization,
         parallel=parallel,
+        kv_cache_dtype=kv_cache_dtype,
     )
     t_load = time.perf_counter() - t0
     say("load", t_load)
@@ -157,7 +161,7 @@ def build_artifact(
     # Capture needs a cache to write into, not a real-sized one: one scratch block per layer.
     shape = loaded.model.kv_cache_shape(2, block_size)
     kv_caches = [
-        torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)
+        torch.zeros(shape, dtype=loaded.cache_dtype, device=device) for _ in range(cfg.num_layers)
     ]
     config = CompileConfig(
         target=target, passes=passes, cache_dir=out / CACHE_SUBDIR, kernel=kernel_config
@@ -253,6 +257,7 @@ def build_artifact(
             max_cuda_graph_tokens=max_cuda_graph_tokens,
             block_size=block_size,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             # The shards were compiled for this many ranks (each its own graph): a serve
             # must run as many (runtime/builder.py checks).
             tensor_parallel_size=parallel.world_size if parallel is not None else 1,
@@ -268,6 +273,7 @@ def build_artifact(
         tokenizer_class=tokenizer_class,
         kernel_config=kernel_config.describe(),
         quantization=quantized_layers(loaded.model, loaded.quant),
+        kv_cache_dtype=str(loaded.cache_dtype).removeprefix("torch."),
         timings=dict(
             load_s=round(t_load, 2),
             trace_and_passes_s=round(stats.trace_seconds + stats.pass_seconds, 2),

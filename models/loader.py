@@ -31,6 +31,7 @@ from compile_engine.models.errors import CheckpointError, ModelNotFoundError, Un
 from compile_engine.models.gguf_alias import SMOLLM2_ALIAS, resolve_alias
 from compile_engine.models.layers import FusedLinear, LazyTensor
 from compile_engine.models.moe import StackedExperts
+from compile_engine.models.ops import KV_FP8_DTYPE, kv_cache_torch_dtype
 from compile_engine.models.parallel import TensorParallel, is_sharded, shard_model
 from compile_engine.models.quant import (
     QuantConfig,
@@ -195,6 +196,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         if skip is not None and skip(name):
             continue  # a part of the checkpoint the model declares it does not run
+        kv_scale = kv_scale_target(name)
+        if kv_scale is not None:
+            _load_kv_scale(model, *kv_scale, tensor, name)
+            continue
         parts = _rename(name.split("."), renames)
         stacked = _stacked_target(parts, proj_to_stacked, params)
         if stacked is not None:
@@ -219,6 +224,44 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.finish_loading()  # a fused per-tensor weight's shards, to one scale
+
+
+# The checkpoint names of an attention layer's FP8 KV-cache scales, as vLLM reads them:
+# compressed-tensors `self_attn.k_scale`, ModelOpt `self_attn.k_proj.k_scale`, older
+# llm-compressor `self_attn.k_proj.output_scale`; the deprecated `kv_scale` sets both.
+_KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": ("k_scale",),
+    ".self_attn.v_scale": ("v_scale",),
+    ".self_attn.k_proj.k_scale": ("k_scale",),
+    ".self_attn.v_proj.v_scale": ("v_scale",),
+    ".self_attn.k_proj.output_scale": ("k_scale",),
+    ".self_attn.v_proj.output_scale": ("v_scale",),
+    ".self_attn.kv_scale": ("k_scale", "v_scale"),
+}
+
+
+def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(attention module, its scale buffers) for a checkpoint KV-cache scale; None otherwise."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".self_attn", which
+    return None
+
+
+def _load_kv_scale(
+    model: nn.Module, module_name: str, which: tuple[str, ...], tensor: torch.Tensor, name: str
+) -> None:
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        module = None
+    if not hasattr(module, "load_kv_scale"):
+        raise CheckpointError(
+            f"unexpected tensor {name} in the checkpoint: {model.config.architecture} has no "
+            "attention layer with KV-cache scales there (MLA layers take none)"
+        )
+    for buffer in which:
+        module.load_kv_scale(buffer, tensor, name)
 
 
 def _rename(parts: list[str], renames: list[tuple[list[str], list[str]]]) -> list[str]:
@@ -287,6 +330,30 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     quant: QuantConfig | None = None  # models/quant.py; None: not quantized
+    # The paged KV cache's element type (kv_cache_dtype, `kv_cache_torch_dtype`): the model
+    # dtype, or float8_e4m3fn scaled by each attention layer's k_scale / v_scale.
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV cache tensors hold (the model dtype unless kv_cache_dtype says FP8)."""
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
+
+
+def check_kv_cache_dtype(model: nn.Module, kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype for `kv_cache_dtype` ("auto", "fp8", "fp8_e4m3"); an FP8 cache
+    of a model whose attention takes no KV scales (MLA's latent cache) is refused by name."""
+    torch_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+    if torch_dtype == KV_FP8_DTYPE:
+        from compile_engine.models.deepseek import MLAttention
+
+        if any(isinstance(m, MLAttention) for m in model.modules()):
+            raise UnsupportedModelError(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported for "
+                f"{model.config.architecture}: MLA's latent cache has no FP8 form yet; use "
+                "kv_cache_dtype 'auto'"
+            )
+    return torch_dtype
 
 
 def build_model(
@@ -371,6 +438,7 @@ def load_model(
     quantization: str | None = None,
     config: ModelConfig | None = None,
     parallel: TensorParallel | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     loaded, tensors = open_model(
         model,
@@ -380,6 +448,7 @@ def load_model(
         quantization=quantization,
         config=config,
         parallel=parallel,
+        kv_cache_dtype=kv_cache_dtype,
     )
     load_weights(loaded.model, tensors)
     return loaded
@@ -395,6 +464,7 @@ def open_model(
     storage: bool = True,
     quantization: str | None = None,
     parallel: TensorParallel | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[LoadedModel, Iterator[tuple[str, torch.Tensor]]]:
     """The model built with uninitialised storage (on the meta device with `storage=False`:
     `WeightRead` gives it storage), and the checkpoint's (name, tensor) pairs that
@@ -405,7 +475,8 @@ def open_model(
     (models/quant.py). With `parallel`, the model is this rank's shard and a safetensors
     checkpoint is read slice by slice (GGUF: dequantized whole, then sliced). A GGUF file with
     dtype "auto" on the CPU stays quantized (`gguf_quantization`) unless it is sharded; an
-    explicit dtype dequantizes it, as before."""
+    explicit dtype dequantizes it, as before. kv_cache_dtype: one of KV_CACHE_DTYPES (vLLM's
+    names), what `LoadedModel.cache_dtype` then says the KV cache holds."""
     source = resolve_source(model)
     device = torch.device(device)
     hf_config = None
@@ -437,7 +508,7 @@ def open_model(
     net = build_on_meta(config, torch_dtype, max_positions, parallel)
     quant = None
     if source.kind == "hf":
-        quant = quant_config(json.loads((source.path / "config.json").read_text()), quantization)
+        quant = quant_config(checkpoint_config(source.path), quantization)
     elif gguf_quant is not None:
         quant = gguf_quant
     elif quantization is not None:
@@ -454,9 +525,25 @@ def open_model(
 
         # GPTQ / AWQ / pack-quantized tensors -> the scheme's codes and group scales
         tensors = unpack_checkpoint(tensors, quant)
+    kv_dtype = check_kv_cache_dtype(net, kv_cache_dtype, torch_dtype)
     if storage:
         materialize(net, device)
-    return LoadedModel(net, config, hf_config, source, torch_dtype, quant), tensors
+    loaded = LoadedModel(net, config, hf_config, source, torch_dtype, quant, kv_dtype)
+    return loaded, tensors
+
+
+def checkpoint_config(directory: Path) -> dict:
+    """A checkpoint's config.json as a dict, with NVIDIA ModelOpt's hf_quant_config.json (its
+    "quantization" section, older exports' only record) as the quantization_config where
+    config.json has none."""
+    raw = json.loads((directory / "config.json").read_text())
+    modelopt = directory / "hf_quant_config.json"
+    if "quantization_config" not in raw and modelopt.is_file():
+        section = json.loads(modelopt.read_text()).get("quantization")
+        if not isinstance(section, dict):
+            raise CheckpointError(f"{modelopt}: no 'quantization' section")
+        raw["quantization_config"] = {"quant_method": "modelopt", **section}
+    return raw
 
 
 def _counted(

@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,13 @@ from compile_engine.compiler.config import CompileConfig
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.config import ModelConfig, config_from_dict, config_to_dict
-from compile_engine.models.loader import LoadedModel, WeightRead, open_model, resolve_config
+from compile_engine.models.loader import (
+    LoadedModel,
+    WeightRead,
+    check_kv_cache_dtype,
+    open_model,
+    resolve_config,
+)
 from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer
 from compile_engine.runtime.activation_profile import activation_bytes
 from compile_engine.runtime.activation_profile import lookup as lookup_activation_bytes
@@ -50,6 +56,7 @@ from compile_engine.runtime.structured_output import GrammarCompiler, Structured
 log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {"float": "float32", "half": "float16"}  # --dtype's aliases, as the manifest names
+_KV_NAMES = {"fp8_e4m3": "fp8"}  # --kv-cache-dtype's aliases
 
 
 @dataclass(slots=True)
@@ -133,6 +140,9 @@ class _Start:
             self.phase("workers_s", mark)
         if loaded is None:
             loaded = self._open(model, dtype, device, manifest, model_config)
+        elif config.kv_cache_dtype != "auto":  # a model the caller loaded: this setting's cache
+            kv_dtype = check_kv_cache_dtype(loaded.model, config.kv_cache_dtype, loaded.dtype)
+            loaded = replace(loaded, kv_cache_dtype=kv_dtype)
         max_model_len = _max_model_len(loaded.config, config.max_model_len)
         mark = time.perf_counter()
         saved = Path(config.model) / SAVED_DIR if manifest is not None else None
@@ -339,6 +349,16 @@ class _Start:
                 f"{config.quantization!r}; drop quantization to use the artifact's, or rebuild"
             )
         config.quantization = quantization
+        built_kv = manifest.engine_args.get("kv_cache_dtype", "auto")
+        if config.kv_cache_dtype != "auto" and _KV_NAMES.get(
+            config.kv_cache_dtype, config.kv_cache_dtype
+        ) != _KV_NAMES.get(built_kv, built_kv):
+            raise EngineConfigError(
+                f"artifact {artifact} was built with kv_cache_dtype={built_kv!r}, not "
+                f"{config.kv_cache_dtype!r}; drop kv_cache_dtype to use the artifact's, or "
+                f"rebuild with --kv-cache-dtype {config.kv_cache_dtype}"
+            )
+        config.kv_cache_dtype = built_kv
         model = manifest.model_path
         if manifest.weights_path:
             model = str(artifact / manifest.weights_path)
@@ -428,6 +448,7 @@ class _Start:
             storage=False,
             quantization=self.config.quantization,
             parallel=self.workers.tp if self.workers is not None else None,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
         # Settings the model's config decides, checked before the read starts.
         _max_model_len(loaded.config, self.config.max_model_len)

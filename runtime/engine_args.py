@@ -73,6 +73,13 @@ def add_engine_options(
         help="fp8: quantize a bf16/fp16 checkpoint's linear layers to FP8 at load (per-channel "
         "weights, dynamic per-token activations, as vLLM's); FP8 checkpoints need no flag",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="the KV cache's element type (vLLM's): auto, the model dtype (an artifact's own); "
+        "fp8 (= fp8_e4m3), scaled by the checkpoint's k/v scales or 1.0: twice the blocks",
+    )
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
         "--reasoning-parser",
@@ -130,6 +137,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         passes=args.passes,
         kernel_config=args.kernel_config,
         quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         cuda_graphs=not args.no_cuda_graphs,
         async_scheduling=not getattr(args, "no_async_scheduling", False),
         reasoning_parser=getattr(args, "reasoning_parser", None),

@@ -64,6 +64,11 @@ class EngineConfig:
     # dynamic per-token activations); an FP8 checkpoint runs as saved either way
     # (models/quant.py). An artifact's own when loading one.
     quantization: str | None = None
+    # The paged KV cache's element type (vLLM's kv_cache_dtype): "auto" the model dtype (an
+    # artifact's own when loading one), "fp8" / "fp8_e4m3" float8 e4m3 scaled per tensor by each
+    # attention layer's checkpoint k_scale / v_scale (1.0 without): twice the blocks in the
+    # same memory, attention reading half the bytes (models/ops.py).
+    kv_cache_dtype: str = "auto"
     # Ranks the model is sharded over (vLLM's name): one process each, this one rank 0
     # (runtime/parallel.py); the group size must divide the heads and MLP widths it splits.
     tensor_parallel_size: int = 1
@@ -134,6 +139,18 @@ class EngineConfig:
                     f"quantization={self.quantization!r} is not supported; use one of "
                     f"{', '.join(QUANTIZATIONS)} (or none)"
                 )
+        from compile_engine.models.ops import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise EngineConfigError(
+                "kv_cache_dtype fp8 does not run tensor-parallel yet (the ranks allocate caches "
+                "of the model dtype); use tensor_parallel_size 1, or kv_cache_dtype 'auto'"
+            )
         if self.kernel_config is not None:
             try:
                 self.kernel_config = KernelConfig.coerce(self.kernel_config)

@@ -198,16 +198,17 @@ def allocate_kv_caches(
     loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device
 ) -> list[torch.Tensor]:
     """The paged KV cache: one zeroed tensor a layer, `kv_cache_shape(num_blocks, block_size)`
-    (block 0 is the scratch block padding writes into)."""
+    of `loaded.cache_dtype` (FP8 with kv_cache_dtype "fp8": a block takes half the bytes);
+    block 0 is the scratch block padding writes into."""
     shape = loaded.model.kv_cache_shape(num_blocks, block_size)
     return [
-        torch.zeros(shape, dtype=loaded.dtype, device=device)
+        torch.zeros(shape, dtype=loaded.cache_dtype, device=device)
         for _ in range(loaded.config.num_layers)
     ]
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    element = torch.empty((), dtype=loaded.dtype).element_size()
+    element = torch.empty((), dtype=loaded.cache_dtype).element_size()
     per_layer = math.prod(loaded.model.kv_cache_shape(1, block_size))
     return loaded.config.num_layers * per_layer * element
 
@@ -220,7 +221,9 @@ def profile_activation_bytes(loaded: LoadedModel, num_tokens: int, num_rows: int
     block_size = 16
     blocks = -(-num_tokens // block_size) + 1
     shape = loaded.model.kv_cache_shape(blocks, block_size)
-    kv = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(cfg.num_layers)]
+    kv = [
+        torch.zeros(shape, dtype=loaded.cache_dtype, device=device) for _ in range(cfg.num_layers)
+    ]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(block_size, block_size + num_tokens, device=device),
         block_tables=torch.arange(1, blocks, dtype=torch.int32, device=device)[None],

@@ -12,15 +12,24 @@ from compile_engine.models.layers import AttentionMetadata
 
 
 class PagedHarness:
-    def __init__(self, model, block_size: int, num_blocks: int, seed: int = 0, forward=None):
+    def __init__(
+        self,
+        model,
+        block_size: int,
+        num_blocks: int,
+        seed: int = 0,
+        forward=None,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's (float8_e4m3fn: FP8)
+    ):
         cfg = model.config
         self.model, self.block_size = model, block_size
         self.forward = forward or model  # e.g. a CompiledForward of the same model
         param = next(model.parameters())
         self.device = param.device
         shape = model.kv_cache_shape(num_blocks, block_size)  # K/V, or a latent (MLA)
+        dtype = kv_cache_dtype or param.dtype
         self.kv_caches = [
-            torch.zeros(shape, dtype=param.dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
         free = list(range(1, num_blocks))  # block 0 is the runtime's scratch block
         random.Random(seed).shuffle(free)
