@@ -15,7 +15,9 @@ init, so activations keep a sane scale through 32 layers.
 `ct-channel` is compressed-tensors FP8_DYNAMIC as llm-compressor saves it (per-channel weight
 scales, dynamic per-token activations), `ct-tensor` static per-tensor scales with an input
 scale, `ct-block` / `fp8-block` 128 x 128 block scales (compressed-tensors, or DeepSeek-V3's
-`weight_scale_inv`), `fp8-tensor` the "fp8" method's per-tensor form. Each projection is drawn
+`weight_scale_inv`), `fp8-tensor` the "fp8" method's per-tensor form, `modelopt-fp8` NVIDIA
+ModelOpt's FP8 (quant_method "modelopt": per-tensor 0-d weight and input scales, and the FP8
+KV cache's `k_proj.k_scale` / `v_proj.v_scale`, 1.0). Each projection is drawn
 in the model dtype and quantized on the drawing device; lm_head, embeddings and norms stay.
 
 Integer weight-only layouts (issue 29, models/quant_formats.py's PACKED_LAYOUTS): `gptq-int4` /
@@ -493,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
             "ct-block",
             "fp8-block",
             "fp8-tensor",
+            "modelopt-fp8",
             *PACKED_LAYOUT_NAMES,
         ],  # fmt: skip
         help="write an FP8 or integer (GPTQ / AWQ / pack-quantized) checkpoint in this layout "

@@ -43,6 +43,7 @@ keeps it unquantized too), and the loader fills the new parameters by their chec
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 
@@ -793,6 +794,8 @@ def quant_config(raw_config: dict, quantization: str | None) -> QuantConfig | No
         return _compressed_tensors(section)
     if method == "fp8":
         return _fp8_method(section)
+    if method == "modelopt":
+        return _modelopt(section)
     if method == "gptq":
         from compile_engine.models.quant_formats import gptq_config
 
@@ -803,8 +806,8 @@ def quant_config(raw_config: dict, quantization: str | None) -> QuantConfig | No
         return awq_config(section)
     raise QuantizationError(
         f"quantization_config.quant_method={method!r} is not supported; this engine loads "
-        "'compressed-tensors' (FP8 float-quantized, int pack-quantized), 'fp8', 'gptq' and "
-        "'awq' checkpoints"
+        "'compressed-tensors' (FP8 float-quantized, int pack-quantized), 'fp8', 'modelopt' "
+        "(FP8), 'gptq' and 'awq' checkpoints"
     )
 
 
@@ -905,6 +908,32 @@ def _fp8_method(section: dict) -> QuantConfig:
     return QuantConfig("fp8", QuantScheme("tensor", activation), ignore=ignore)
 
 
+def _modelopt(section: dict) -> QuantConfig:
+    """NVIDIA ModelOpt's FP8 export: config.json's quantization_config with quant_method
+    "modelopt", or hf_quant_config.json's "quantization" section (the loader folds it in):
+    per-tensor e4m3 weights, each with a float32 `weight_scale`, and static per-tensor
+    activations (`input_scale`), as vLLM's ModelOptFp8Config reads them. The attention
+    layers' `k_proj.k_scale` / `v_proj.v_scale` (kv_cache_quant_algo FP8) are the FP8 KV
+    cache's scales (models/loader.py); `exclude_modules` may hold shell-style wildcards."""
+    where = "quantization_config"
+    algo = section.get("quant_algo")
+    if algo != "FP8":
+        raise QuantizationError(
+            f"{where}.quant_algo={algo!r} is not supported; ModelOpt checkpoints load as 'FP8' "
+            "(per-tensor weights and static input scales)"
+        )
+    kv_algo = section.get("kv_cache_quant_algo")
+    if kv_algo not in (None, "FP8"):
+        raise QuantizationError(
+            f"{where}.kv_cache_quant_algo={kv_algo!r} is not supported; 'FP8' or none"
+        )
+    patterns = section.get("exclude_modules") or section.get("ignore") or ()
+    ignore = tuple(
+        "re:" + fnmatch.translate(p) if any(c in p for c in "*?[") else p for p in patterns
+    )
+    return QuantConfig("modelopt", QuantScheme("tensor", "tensor"), ignore=ignore)
+
+
 def quantized_layers(model: nn.Module, config: QuantConfig | None) -> dict | None:
     """The artifact manifest's record of a model's quantization: the config's `describe()` and
     the names of its QuantLinear layers (None when the model is not quantized)."""
@@ -986,7 +1015,9 @@ def gguf_quant_config(types: dict[str, str], formats: dict[str, str], layout: st
 
 # FP8 checkpoint layouts `bench make-model --quantize` and the tests write: name -> (config of
 # weights' scale, activation, block) as the formats spell them.
-CHECKPOINT_LAYOUTS = ("ct-tensor", "ct-channel", "ct-block", "fp8-block", "fp8-tensor")
+CHECKPOINT_LAYOUTS = (
+    "ct-tensor", "ct-channel", "ct-block", "fp8-block", "fp8-tensor", "modelopt-fp8",
+)  # fmt: skip
 # The static input scale written for random-weight checkpoints (no calibration data): |x| up to 8.
 STATIC_INPUT_SCALE = 8.0 / FP8_MAX
 
@@ -1000,6 +1031,7 @@ def _layout_scheme(layout: str, block: tuple[int, int]) -> tuple[QuantScheme, st
         "ct-block": (QuantScheme("block", "none", block), "weight_scale"),
         "fp8-block": (QuantScheme("block", "none", block), "weight_scale_inv"),
         "fp8-tensor": (QuantScheme("tensor", "token"), "weight_scale"),
+        "modelopt-fp8": (QuantScheme("tensor", "tensor"), "weight_scale"),
     }
     return schemes[layout]
 
@@ -1038,12 +1070,27 @@ def quantize_checkpoint_tensor(
     out = {name: q, f"{prefix}.{scale_name}": stored_scale.float().contiguous()}
     if scheme.activation == "tensor":
         out[f"{prefix}.input_scale"] = torch.tensor([STATIC_INPUT_SCALE], dtype=torch.float32)
+    if layout == "modelopt-fp8":
+        # ModelOpt's scalars are 0-d, and its k_proj / v_proj carry the FP8 KV cache's scales
+        # (1.0 here: random weights have no calibration data).
+        out = {k: v.reshape(()) if v.numel() == 1 and k != name else v for k, v in out.items()}
+        for proj, kv in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+            if prefix.endswith(f".self_attn.{proj}"):
+                out[f"{prefix}.{kv}"] = torch.tensor(1.0, dtype=torch.float32)
     return out
 
 
 def checkpoint_quantization_config(layout: str, block: tuple[int, int] = (128, 128)) -> dict:
     """The config.json `quantization_config` of an FP8 checkpoint written as `layout`."""
     scheme, _ = _layout_scheme(layout, block)
+    if layout == "modelopt-fp8":  # the form newer ModelOpt exports put in config.json
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8",
+            "exclude_modules": ["lm_head"],
+            "producer": {"name": "modelopt"},
+        }
     if layout.startswith("fp8-"):
         section = {"quant_method": "fp8", "fmt": "e4m3"}
         section["activation_scheme"] = "dynamic"

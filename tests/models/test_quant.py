@@ -7,6 +7,7 @@ projections hold several blocks); no Inductor compile here (tests/passes/ has th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -163,8 +164,11 @@ def test_errors_name_the_field(tiny, tmp_path):
 
     with pytest.raises(QuantizationError, match="quant_method='bitsandbytes'"):
         quant_config(config_with({"quant_method": "bitsandbytes"}), None)
-    with pytest.raises(QuantizationError, match="quant_method='modelopt'"):
-        quant_config(config_with({"quant_method": "modelopt"}), None)
+    with pytest.raises(QuantizationError, match="quant_algo='NVFP4' is not supported"):
+        quant_config(config_with({"quant_method": "modelopt", "quant_algo": "NVFP4"}), None)
+    with pytest.raises(QuantizationError, match="kv_cache_quant_algo='INT8'"):
+        section = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}
+        quant_config(config_with(section), None)
     with pytest.raises(QuantizationError, match="quantization='int8'"):
         quant_config({}, "int8")
     section = checkpoint_quantization_config("ct-channel")
@@ -203,3 +207,92 @@ def test_make_model_writes_an_fp8_checkpoint_that_loads(tmp_path):
     down = loaded.model.model.layers[1].mlp.down_proj
     assert down.weight.dtype == FP8_DTYPE and down.scale.shape == (down.out_features,)
     assert torch.isfinite(logits_of(loaded.model)).all()
+
+
+# --------------------------------------------------------------------------- ModelOpt FP8
+
+
+def test_modelopt_checkpoint_loads_by_either_config_file(tiny, tmp_path):
+    # config.json's quantization_config (newer exports), or hf_quant_config.json alone (older
+    # ones): per-tensor weights and static input scales as 0-d tensors, k_proj.k_scale and
+    # v_proj.v_scale into the attention layers, exclude_modules wildcards honoured.
+    fp8_dir, twin_dir = write_fp8(tiny, tmp_path, "modelopt-fp8")
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale"].shape == ()
+    assert tensors["model.layers.1.self_attn.k_proj.k_scale"].shape == ()
+    tensors["model.layers.1.self_attn.v_proj.v_scale"] = torch.tensor(0.125)
+    save_file(tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model(fp8_dir, kv_cache_dtype="fp8")
+    assert (
+        loaded.quant.method == "modelopt" and str(loaded.quant.scheme) == "fp8_e4m3:tensor:tensor"
+    )
+    assert float(loaded.model.model.layers[1].self_attn.v_scale) == 0.125
+    assert float(loaded.model.model.layers[1].self_attn.k_scale) == 1.0
+    config = json.loads((fp8_dir / "config.json").read_text())
+    section = config.pop("quantization_config")
+    section.pop("quant_method")
+    section["exclude_modules"] = ["lm_head", "model.layers.1.mlp.*"]
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.29"}, "quantization": section}
+    (fp8_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    for proj in ("gate_proj", "up_proj", "down_proj"):  # excluded: stored in the model dtype
+        prefix = f"model.layers.1.mlp.{proj}"
+        for suffix in ("weight_scale", "input_scale"):
+            tensors.pop(f"{prefix}.{suffix}")
+        tensors[f"{prefix}.weight"] = load_file(str(twin_dir / "model.safetensors"))[
+            f"{prefix}.weight"
+        ]
+    save_file(tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model(fp8_dir)
+    assert loaded.quant.method == "modelopt"
+    assert not isinstance(loaded.model.model.layers[1].mlp.down_proj, QuantLinear)
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantLinear)
+
+
+def _dequantized_twin(fp8_dir: Path, out: Path) -> Path:
+    """fp8_dir's checkpoint with every FP8 weight times its per-tensor scale, in float32, and
+    no scales: the reference an FP8 checkpoint is compared with."""
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    twin = {}
+    for name, t in tensors.items():
+        if name.endswith(("_scale", ".k_scale", ".v_scale")):
+            continue
+        if t.dtype == FP8_DTYPE:
+            t = t.float() * tensors[name.removesuffix("weight") + "weight_scale"].float()
+        twin[name] = t
+    out.mkdir()
+    save_file(twin, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_modelopt_make_model_greedy_generates_as_its_twin(tmp_path):
+    from compile_engine.benchmarks.make_model import make_model
+    from compile_engine.runtime.llm import LLM
+    from compile_engine.runtime.sampling_params import SamplingParams
+
+    out = make_model("tiny-llama", tmp_path / "modelopt", quantize="modelopt-fp8")
+    section = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert section["quant_method"] == "modelopt" and section["quant_algo"] == "FP8"
+    twin = _dequantized_twin(out, tmp_path / "twin")
+    # Teacher-forced (the harness): logits close, argmax mostly equal.
+    got_logits, want_logits = logits_of(load_model(out).model), logits_of(load_model(twin).model)
+    assert cosine(got_logits, want_logits) >= 0.999
+    assert (got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean() >= 0.9
+    params = SamplingParams(temperature=0, max_tokens=8)
+    runs = []
+    for model, kv in ((out, "fp8"), (twin, "auto")):
+        llm = LLM(str(model), dtype="float32", target="cpu", enforce_eager=True,
+                  num_kv_blocks=64, kv_cache_dtype=kv)  # fmt: skip
+        runs.append(
+            [o.outputs[0].token_ids for o in llm.generate([list(s) for s in SEQUENCES], params)]
+        )
+    assert llm.engine.loaded.quant is None
+    # Free-running over random weights, whose near-flat logits let one flip change the rest:
+    # each prompt's first token equal, every request run to its length.
+    got, want = runs
+    assert [g[0] for g in got] == [w[0] for w in want], (got, want)
+    assert all(len(g) == 8 for g in got)

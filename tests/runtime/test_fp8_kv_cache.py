@@ -191,7 +191,12 @@ def _manifest(tmp_path, kv_cache_dtype: str) -> Manifest:
         engine_args={"kv_cache_dtype": kv_cache_dtype},
         passes=[],
         pass_manager_uuid="",
-        compile={},
+        compile={
+            "num_pieces": 0,
+            "num_attention_pieces": 0,
+            "num_compiled_pieces": 0,
+            "pieces": [],
+        },
         kernels=[],
         timings={},
         kernel_config=tuning.default().describe(),
@@ -210,6 +215,16 @@ def test_the_manifest_keys_on_an_fp8_cache(tmp_path):
     artifact.mkdir()
     fp8.write(artifact)
     assert Manifest.read(artifact).kv_cache_dtype == "float8_e4m3fn"
+
+
+def test_inspect_lists_the_kv_cache_dtype(tmp_path, capsys):
+    from compile_engine.cli import main
+
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    _manifest(tmp_path, "fp8").write(artifact)
+    assert main(["inspect", str(artifact)]) == 0
+    assert "kv cache   float8_e4m3fn (kv_cache_dtype fp8)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("built", "asked"), [("auto", "fp8"), ("fp8", "auto")])
