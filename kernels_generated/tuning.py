@@ -116,7 +116,9 @@ class AttentionTuning:
     the H200 (Llama-3-8B shape, `bench prefix --sweep`, d8ce46a) a chunk after a cached
     3,680-token prefix ran 2-16 tokens in 10.6-10.9 ms tiled against 6.0-6.8 single-token
     (whose splits spread the long context), 32 tokens 10.9 against 11.3 and 128 tokens 11.2
-    against 17.1; with no prefix tiled is within 5% below 32 tokens."""
+    against 17.1; with no prefix tiled is within 5% below 32 tokens. tiled_min_split_keys:
+    the least cached keys a split of the tiled kernel takes (`tiled_num_splits`; chosen, not
+    yet swept)."""
 
     decode_cuda: tuple[DecodeConfig, ...] = _CUDA_DECODE
     decode_cpu: tuple[DecodeConfig, ...] = _CPU_DECODE
@@ -124,6 +126,7 @@ class AttentionTuning:
     tiled_cpu: TiledConfig = TiledConfig(rows=16, block_n=16, num_warps=1, num_stages=1)
     tiled_min_tokens_per_seq: int = 2
     prefill_graph_min_tokens: int = 32
+    tiled_min_split_keys: int = 256
     max_splits: int = 64
     combine_splits: int = 8
 
@@ -144,8 +147,8 @@ class AttentionTuning:
                 for field_ in dataclasses.fields(item):
                     if field_.name != "maxnreg" or item.maxnreg is not None:
                         _whole(f"attention.{name}.{field_.name}", getattr(item, field_.name))
-        for name in ("tiled_min_tokens_per_seq", "prefill_graph_min_tokens", "max_splits",
-                     "combine_splits"):  # fmt: skip
+        for name in ("tiled_min_tokens_per_seq", "prefill_graph_min_tokens",
+                     "tiled_min_split_keys", "max_splits", "combine_splits"):  # fmt: skip
             _whole(f"attention.{name}", getattr(self, name))
         for name in ("decode_cuda", "decode_cpu"):
             tiers = getattr(self, name)
@@ -162,8 +165,8 @@ class AttentionTuning:
             _powers_of_two(f"attention.{name}", rows=tiled.rows, block_n=tiled.block_n)
             if tiled.rows < 16:
                 raise KernelConfigError(f"attention.{name}: rows must be >= 16 (tl.dot's least)")
-        for name in ("tiled_min_tokens_per_seq", "prefill_graph_min_tokens", "max_splits",
-                     "combine_splits"):  # fmt: skip
+        for name in ("tiled_min_tokens_per_seq", "prefill_graph_min_tokens",
+                     "tiled_min_split_keys", "max_splits", "combine_splits"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise KernelConfigError(f"attention.{name} must be >= 1")
 

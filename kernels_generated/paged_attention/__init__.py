@@ -8,6 +8,7 @@ from compile_engine.kernels_generated.paged_attention.launch import (
     choose_num_splits,
     choose_tiled,
     paged_attention_triton,
+    tiled_num_splits,
     unsplit_context,
 )
 from compile_engine.kernels_generated.paged_attention.ops import (
@@ -25,5 +26,6 @@ __all__ = [
     "paged_attention_rotary",
     "paged_attention_rotary_ref",
     "paged_attention_triton",
+    "tiled_num_splits",
     "unsplit_context",
 ]

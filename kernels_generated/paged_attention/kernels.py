@@ -647,11 +647,16 @@ def _paged_attention_tiled_kernel(
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
     out_ptr,  # [T, Hq, D]
+    m_ws_ptr,  # [T, Hq, S] float32, split only
+    l_ws_ptr,  # [T, Hq, S] float32, split only
+    acc_ws_ptr,  # [T, Hq, S, D] float32, split only
+    counters_ptr,  # [>= tiles * Hkv] int32, zero between launches; split only
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]
     num_tokens,
     num_seqs,
+    num_q_heads,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -676,9 +681,14 @@ def _paged_attention_tiled_kernel(
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_KV: tl.constexpr = False,  # the cache is float8_e4m3fn, scaled by k/v_scale_ptr
+    NUM_SPLITS: tl.constexpr = 1,  # > 1: up to NUM_SPLITS programs share a tile's cached keys
+    MIN_SPLIT_KEYS: tl.constexpr = 1,  # a split takes at least this many cached keys
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = 0
+    if NUM_SPLITS > 1:
+        split = tl.program_id(2)
 
     # Tiles of sequence b are numbered from first[b] = query_start_loc[b] // BLOCK_M + b, an
     # upper bound on the tiles before b that never lets a tile cross into the next sequence.
@@ -723,7 +733,7 @@ def _paged_attention_tiled_kernel(
     # The KV-cache write, fused: the tile's program stores its tokens' K and V (padding ones
     # into block 0, the runtime's scratch). Nothing of this launch reads them from the cache.
     tokens = tile_start + offs_m
-    token_ok = offs_m < tile_rows
+    token_ok = (offs_m < tile_rows) & (split == 0)  # the first split's program writes
     slots = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
     dst = (
         (
@@ -764,8 +774,22 @@ def _paged_attention_tiled_kernel(
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + tl.minimum(seq, num_seqs - 1).to(tl.int64) * stride_bt
+    # Split s takes a share of the cached keys (those every row of the tile sees, so each
+    # split's first key step finds a key for every row and its softmax stays finite); the last
+    # active split also takes this step's keys, causally. A tile with no cached keys (a first
+    # chunk) has one active split. NUM_SPLITS 1: one program takes every key.
+    key_lo = key_hi * 0
+    active = 1
+    if NUM_SPLITS > 1:
+        cached = tl.minimum(context_len, key_hi)
+        per_split = tl.maximum(tl.cdiv(cached, NUM_SPLITS), MIN_SPLIT_KEYS)
+        per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+        active = tl.maximum(tl.cdiv(cached, per_split), 1)
+        key_lo = split * per_split
+        split_hi = tl.where(split == active - 1, key_hi, tl.minimum(key_lo + per_split, cached))
+        key_hi = tl.where(split < active, split_hi, key_lo)
     m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, key_hi * 0, key_hi, row_last, context_len, q_start, table_row,
+        q, m_i, l_i, acc, key_lo, key_hi, row_last, context_len, q_start, table_row,
         k_cache_ptr + head_offset, v_cache_ptr + head_offset, k_new_ptr, v_new_ptr,
         stride_cache_block, stride_cache_slot, stride_kt, stride_vt, qk_scale, k_new_ptr,
         k_new_ptr, 0, k_scale, v_scale, True, KV_BLOCK_SIZE, BLOCK_N, HEAD_DIM, COMPUTE_F32,
@@ -773,14 +797,65 @@ def _paged_attention_tiled_kernel(
     )  # fmt: skip
 
     if FP8_KV:
-        acc = acc * v_scale
-    # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + row_tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
+        acc = acc * v_scale  # linear in acc: a split's partial takes it as the output does
+    out_ptrs = (
+        out_ptr + row_tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     )
+    if active <= 1:
+        if split == 0:
+            # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    elif split < active:
+        # As in _paged_attention_kernel: each split stores its partial, the last of the tile's
+        # active splits to finish merges them (one launch, no reduce kernel).
+        ws_rows = (row_tokens * num_q_heads + heads) * NUM_SPLITS  # [ROWS] each row's split 0
+        tl.store(m_ws_ptr + ws_rows + split, m_i, mask=row_ok)
+        tl.store(l_ws_ptr + ws_rows + split, l_i, mask=row_ok)
+        tl.store(acc_ws_ptr + (ws_rows + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None])  # fmt: skip
+        tl.debug_barrier()
+        counter = counters_ptr + tile_id * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
+            out = _merge_tile_splits(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_rows, row_ok, active,
+                                     NUM_SPLITS, HEAD_DIM)  # fmt: skip
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_xchg(counter, 0)  # zero again for the next launch
+
+
+@triton.jit
+def _merge_tile_splits(
+    m_ws_ptr,  # [T, Hq, S]
+    l_ws_ptr,
+    acc_ws_ptr,  # [T, Hq, S, D]
+    ws_rows,  # [ROWS] each dot row's split 0 in the workspace
+    row_ok,
+    active,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The tile's output rows from its splits 0 .. active - 1, an online softmax over the
+    partials (every real row saw a key in each split, so each partial's max is finite). Loads
+    bypass L1 (.cg): other SMs wrote the partials during this launch."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_all = tl.load(m_ws_ptr + ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+    l_all = tl.load(l_ws_ptr + ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+    out = tl.load(acc_ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+    s = active * 0 + 1
+    while s < active:  # a while loop: the interpreter refuses a range over a loaded bound
+        m_s = tl.load(m_ws_ptr + ws_rows + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        l_s = tl.load(l_ws_ptr + ws_rows + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(acc_ws_ptr + (ws_rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_all, m_s)
+        a_old = tl.exp2(m_all - m_new)
+        a_new = tl.exp2(m_s - m_new)
+        l_all = l_all * a_old + l_s * a_new
+        out = out * a_old[:, None] + acc_s * a_new[:, None]
+        m_all = m_new
+        s += 1
+    return out / tl.where(l_all > 0, l_all, 1.0)[:, None]
 
 
 INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction)

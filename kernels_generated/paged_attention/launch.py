@@ -158,6 +158,31 @@ def _split_counters(device: torch.device, size: int) -> Tensor:
     )
 
 
+def tiled_num_splits(
+    kernel_config: KernelConfig,
+    num_tokens: int,
+    block_m: int,
+    num_kv_heads: int,
+    max_context: int,
+    device: torch.device,
+) -> int:
+    """The tiled kernel's KV splits, from shapes only: `split_count` over the programs its
+    tokens fill (ceil(T / BLOCK_M) tiles x Hkv; the grid's spare programs do nothing), each
+    split at least `attention.tiled_min_split_keys` cached keys. A chunk of a few hundred
+    tokens after a long cached prefix had a few dozen programs for the 132 SMs, each reading
+    the whole prefix (176 tokens after 16,208 cached: 88 programs; H200, de44bba)."""
+    attention = kernel_config.attention
+    programs = triton.cdiv(num_tokens, block_m) * num_kv_heads
+    return split_count(
+        programs, max_context, attention.tiled_min_split_keys, attention.max_splits, device
+    )
+
+
+def _tiled_counters(device: torch.device, size: int) -> Tensor:
+    """The tiled kernel's split arrival counters, one per (tile, KV head)."""
+    return arrival_counters("paged_attention_tiled", device, size, PagedAttentionKernelError)
+
+
 def choose_tiled(kernel_config: KernelConfig, num_tokens: int, num_seqs: int) -> bool:
     """The automatic choice (tiled=None): the tiled variant (with its decode tokens on the
     single-token kernel) when the batch is prefill-heavy by its shapes, at least
@@ -220,9 +245,10 @@ def paged_attention_triton(
     slot_mapping, returns attention output [T, Hq, D]. A float8_e4m3fn cache is written as
     k / k_scale, v / v_scale (float32 scalars on q's device; None: 1.0) and read times them.
     num_splits: None chooses from shapes
-    (`choose_num_splits`), 1 forces the single-pass kernel, > 1 forces split-KV. tiled: True
-    runs the query-tiled prefill variant (no splits), False the single-token kernel, None
-    chooses (`choose_tiled`, only when num_splits is None). With positions [T] and
+    (`choose_num_splits`, or `tiled_num_splits` for the tiled variant), 1 forces one pass,
+    > 1 forces split-KV (the tiled variant splits its tiles' cached keys). tiled: True runs
+    the query-tiled prefill variant, False the single-token kernel, None chooses
+    (`choose_tiled`, only when num_splits is None). With positions [T] and
     cos_sin_cache [max_pos, rot_dim] q and k arrive unrotated and the kernel applies
     `models.ops.rotary` to them as it loads them (`paged_attention_rotary_ref`): the rotated
     keys are what it writes to the cache. kernel_config: launch configs, split policy and PDL
@@ -248,11 +274,8 @@ def paged_attention_triton(
             kernel_config, num_tokens, block_tables.shape[0]
         )
     if tiled:
-        if num_splits not in (None, 1):
-            raise PagedAttentionKernelError(
-                f"the tiled prefill variant does not split KV; got num_splits={num_splits} "
-                "(pass tiled=False to split, or num_splits=None)"
-            )
+        if num_splits is not None and num_splits < 1:
+            raise PagedAttentionKernelError(f"num_splits must be >= 1, got {num_splits}")
         if rotary is not None:
             # Prefill-heavy batches rotate first (the rotary kernel, one launch for q and k):
             # the tiled kernel's [64, D] query tiles rotated in registers would spill.
@@ -260,7 +283,7 @@ def paged_attention_triton(
             q, k = rotary_triton(positions, q, k, cos_sin_cache, kernel_config=kernel_config)
             rotary = None
         args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-        _launch_tiled(*args, scale, out, kernel_config, scales=scales)
+        _launch_tiled(*args, scale, out, kernel_config, scales=scales, num_splits=num_splits)
         # The decode tokens of the batch, one program per sequence (the tiled kernel skips
         # one-token sequences: a lone token in a 32-token tile wastes the dot's rows; measured
         # on the H200, 540 us a layer for 1,811 prefill + 237 decode tokens, of which the
@@ -442,8 +465,10 @@ def _launch_tiled(
     kernel_config: KernelConfig,
     *,
     scales: tuple[Tensor, Tensor] | None = None,
+    num_splits: int | None = None,
 ) -> None:
-    """Launch `_paged_attention_tiled_kernel` (inputs already validated and converted)."""
+    """Launch `_paged_attention_tiled_kernel` (inputs already validated and converted), its
+    cached keys split num_splits ways (None: `tiled_num_splits`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = block_tables.shape[0]
@@ -458,7 +483,15 @@ def _launch_tiled(
     # An upper bound on the tiles from shapes only: sequence b's tiles start at
     # query_start_loc[b] // BLOCK_M + b, and the padding past query_start_loc[-1] is one more
     # "sequence". Programs past the last tile find no rows and store nothing.
-    grid = (num_tokens // block_m + num_seqs + 1, num_kv_heads)
+    tiles = num_tokens // block_m + num_seqs + 1
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = tiled_num_splits(
+            kernel_config, num_tokens, block_m, num_kv_heads, max_context, q.device
+        )
+    grid = (tiles, num_kv_heads) if num_splits == 1 else (tiles, num_kv_heads, num_splits)
+    m_ws, l_ws, acc_ws = split_workspace(num_tokens, num_q_heads, num_splits, head_dim, out)
+    counters = out if num_splits == 1 else _tiled_counters(q.device, tiles * num_kv_heads)
     with device_context(q):
         _paged_attention_tiled_kernel[grid](
             q,
@@ -468,11 +501,16 @@ def _launch_tiled(
             k_cache,
             v_cache,
             out,
+            m_ws,
+            l_ws,
+            acc_ws,
+            counters,
             block_tables,
             seq_lens,
             query_start_loc,
             num_tokens,
             num_seqs,
+            num_q_heads,
             scale * LOG2E,
             *_strides(q, out, k, v, k_cache, block_tables),
             *(scales or (slot_mapping, slot_mapping)),  # never read without FP8_KV
@@ -485,6 +523,8 @@ def _launch_tiled(
             COMPUTE_F32=on_cpu,
             DOT_PRECISION=dot_precision(q),
             FP8_KV=scales is not None,
+            NUM_SPLITS=num_splits,
+            MIN_SPLIT_KEYS=kernel_config.attention.tiled_min_split_keys,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

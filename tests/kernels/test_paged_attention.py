@@ -292,11 +292,40 @@ def test_tiled_chosen_by_shapes_in_the_op(monkeypatch: pytest.MonkeyPatch):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+# The tiled variant with its tiles' cached keys split: each split takes at least one key (the
+# CPU's BLOCK_N, 16, rounds a share up), so the chunks after 65 and 73 cached keys run 2-5
+# active splits whose last also takes the chunk's own keys causally, the first chunk (no
+# cached keys) one; decodes ride the single-token launch; padding tokens and sequences too.
 @interpreted
-def test_tiled_refuses_splits():
+@pytest.mark.parametrize(("kv", "num_splits"), [("auto", 5), ("fp8", 2)])
+def test_tiled_splits_match_reference(kv: str, num_splits: int):
+    fp8 = {"kv_cache_dtype": torch.float8_e4m3fn, "kv_scales": (0.05, 0.02)} if kv == "fp8" else {}
+    batch = ai.make_batch(
+        [5, 1, 19, 17], [70, 9, 19, 90], num_q_heads=8, num_kv_heads=2, head_dim=16,
+        block_size=4, pad_tokens=3, pad_seqs=2, seed=num_splits, **fp8,
+    )  # fmt: skip
+    config = _attention(tiled_min_split_keys=1)
+    for _ in range(2):  # the arrival counters are zero again after a launch
+        ai.check(batch, tiled=True, num_splits=num_splits, kernel_config=config, atol=1e-4)
+
+
+@interpreted
+def test_tiled_refuses_no_splits():
     batch = ai.make_batch([3], [9])
-    with pytest.raises(pa.PagedAttentionKernelError, match="does not split"):
-        pa.paged_attention_triton(*batch.args(), tiled=True, num_splits=2)
+    with pytest.raises(pa.PagedAttentionKernelError, match="num_splits must be >= 1"):
+        pa.paged_attention_triton(*batch.args(), tiled=True, num_splits=0)
+
+
+def test_tiled_splits_from_the_programs_its_tokens_fill():
+    # CPU_SM_COUNT (8) "SMs": 16 tokens in 16-token tiles x 2 KV heads are 2 programs, split
+    # to two an SM within the keys the table holds; 64 tokens x 2 heads fill the SMs.
+    cpu = torch.device("cpu")
+    default = tuning.default()
+    assert default.attention.tiled_min_split_keys == 256
+    assert pa.tiled_num_splits(default, 16, 16, 2, 1 << 20, cpu) == 8
+    assert pa.tiled_num_splits(default, 16, 16, 2, 512, cpu) == 2  # 256 keys a split at least
+    assert pa.tiled_num_splits(default, 64, 16, 2, 1 << 20, cpu) == 1
+    assert pa.tiled_num_splits(default, 16, 16, 2, 256, cpu) == 1
 
 
 # --------------------------------------------------------------------------- anywhere
@@ -520,6 +549,19 @@ def test_gpu_rotary_bf16(shape: str):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("num_splits", [None, 6], ids=["auto", "split6"])
+def test_gpu_tiled_splits_after_a_long_cached_prefix_bf16(num_splits: int | None):
+    # Chunks of 176 and 32 tokens after 16,208 and 3,680 cached keys (bench prefix's 99% 16k
+    # and a multi-turn message): few tiles, so the policy splits their cached keys.
+    batch = ai.make_batch(
+        [176, 32, 1, 1], [16384, 3712, 900, 33], pad_tokens=5, dtype=torch.bfloat16,
+        device="cuda", **LLAMA8B,
+    )  # fmt: skip
+    _gpu_compare(batch, num_splits, tiled=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_tiled_matches_single_token_kernel_bf16():
     batch = ai.make_batch(
         [512, 300, 1], [2048, 300, 900], dtype=torch.bfloat16, device="cuda", **LLAMA8B
@@ -532,7 +574,9 @@ def test_gpu_tiled_matches_single_token_kernel_bf16():
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize(
-    "num_splits, tiled", [(None, None), (1, None), (None, True)], ids=["auto", "single", "tiled"]
+    "num_splits, tiled",
+    [(None, None), (1, None), (None, True), (4, True)],
+    ids=["auto", "single", "tiled", "tiled_split4"],
 )
 def test_gpu_cuda_graph_replay_matches_eager(num_splits: int | None, tiled: bool | None):
     # Captured on one batch, replayed on another of the same shapes: nothing value-dependent
