@@ -801,9 +801,13 @@ def _paged_attention_tiled_kernel(
     out_ptrs = (
         out_ptr + row_tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     )
-    if active <= 1:
+    if NUM_SPLITS == 1:
+        # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    elif active <= 1:
+        # Compiled only with splits (the workspace pointers are the output's without them).
         if split == 0:
-            # Padding tokens have no keys: acc and l_i stay 0, so their output is 0.
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     elif split < active:
@@ -838,8 +842,8 @@ def _merge_tile_splits(
     partials (every real row saw a key in each split, so each partial's max is finite). Loads
     bypass L1 (.cg): other SMs wrote the partials during this launch."""
     offs_d = tl.arange(0, HEAD_DIM)
-    m_all = tl.load(m_ws_ptr + ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-    l_all = tl.load(l_ws_ptr + ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+    m_all = tl.load(m_ws_ptr + ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    l_all = tl.load(l_ws_ptr + ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     out = tl.load(acc_ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
     s = active * 0 + 1
