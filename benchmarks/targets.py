@@ -84,7 +84,9 @@ PLOTTED = ("decode_bs1_tok_s", "decode_bs64_tok_s", "decode_bs256_tok_s", "offli
 
 
 def number(value: float) -> str:
-    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.1f}"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.1f}" if abs(value) >= 1 else f"{value:.2g}"  # 0.034 ms, not 0.0
 
 
 def is_llama3_8b_shape(run: dict) -> bool:
