@@ -21,6 +21,8 @@ from compile_engine.runtime.request import Request, RequestStatus
 from compile_engine.runtime.sampling_params import SamplingParams
 from compile_engine.runtime.scheduler import SchedulerStats
 from compile_engine.runtime.sequence import Group, Sequence
+from compile_engine.runtime.spec_policy import SpeculationPolicy
+from compile_engine.runtime.speculative import Speculator
 
 __all__ = [
     "TARGETS",
@@ -38,11 +40,14 @@ class LLMEngine:
         config: EngineConfig,
         loaded: LoadedModel | None = None,
         progress: Progress | None = None,
+        *,
+        proposer: object | None = None,
     ) -> None:
         """Start an engine for `config` (or around an already `loaded` model): the builder
         loads, compiles and captures (runtime/builder.py), the engine keeps what it built;
-        `progress` hears the long phases (runtime/progress.py)."""
-        parts = build_engine(config, loaded, progress)
+        `progress` hears the long phases (runtime/progress.py); `proposer` replaces the
+        speculative_config method's (benchmarks only: `build_engine`)."""
+        parts = build_engine(config, loaded, progress, proposer=proposer)
         self.config = parts.config
         self.manifest = parts.manifest
         self.loaded = parts.loaded
@@ -63,6 +68,13 @@ class LLMEngine:
         self._counter = 0
         self._in_flight: InFlightStep | None = None
         self._needs_history: set[str] = set()  # live groups whose sampling reads past tokens
+        # Speculative decoding's choice of k a step (runtime/spec_policy.py); None: always
+        # num_speculative_tokens.
+        spec = self.config.speculative_config
+        self.spec_policy = (
+            SpeculationPolicy(spec.num_speculative_tokens) if spec and spec.adaptive else None
+        )
+        self._num_drafts: int | None = None  # the next step's k (None: the config's)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -172,10 +184,14 @@ class LLMEngine:
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and not self._overlap():
+        k = self._num_drafts  # chosen at the end of the last step (runtime/spec_policy.py)
+        if previous is not None and not self._overlap(k):
             outputs, previous = self._process(previous), None
         # Drafts need the last tokens on the host; a grammar cuts them to what it accepts.
-        self.runner.propose(self.scheduler.running, self.structured.check_drafts)
+        asked = self.runner.propose(self.scheduler.running, self.structured.check_drafts, k)
+        if self.spec_policy is not None:
+            for request, room in asked:
+                self.spec_policy.observe_proposal(room, len(request.spec_token_ids))
         step = self.scheduler.schedule()
         launched = None
         if step.scheduled:
@@ -189,22 +205,50 @@ class LLMEngine:
             masks = self.structured.bitmask(launched.sampling, launched.drafts)
             self.runner.sample(launched, masks)
         if launched is not None:
-            if self._overlap() and launched.spec is None:  # drafts are verified at once
+            if launched.spec is None:
+                self._num_drafts = self._choose_drafts()
+            if launched.spec is None and self._overlap(self._num_drafts):
                 self._in_flight = launched
-            else:
+            else:  # drafts are verified at once
                 outputs += self._process(launched)
-        self.runner.counters.busy_s += time.perf_counter() - started
+                self._num_drafts = self._choose_drafts()
+        elapsed = time.perf_counter() - started
+        if self.spec_policy is not None and launched is not None:
+            self.spec_policy.observe_step(
+                step.num_batched_tokens, elapsed, launched.spec is not None
+            )
+        self.runner.counters.busy_s += elapsed
         return outputs
 
-    def _overlap(self) -> bool:
-        # Penalties and proposals read each request's last tokens on the host.
-        history = self._needs_history or self.scheduler.speculating()
-        return self.config.async_scheduling and not history
+    def _overlap(self, num_drafts: int | None) -> bool:
+        # Penalties and proposals read each request's last tokens on the host; a step that
+        # takes no drafts (the policy chose k = 0) proposes nothing.
+        speculating = num_drafts != 0 and self.scheduler.speculating()
+        return self.config.async_scheduling and not (self._needs_history or speculating)
+
+    def _choose_drafts(self) -> int | None:
+        """The next step's k (None: num_speculative_tokens, no policy): from the policy's
+        step costs and acceptance, for the running requests as they stand."""
+        policy = self.spec_policy
+        if policy is None or not self.scheduler.speculating():
+            return None
+        running = self.scheduler.running
+        budget = self.scheduler.config.max_num_batched_tokens
+        num_tokens = min(
+            budget, sum(r.num_tokens_with_pending - r.num_computed_tokens for r in running)
+        )
+        drafting = sum(map(Speculator.may_draft, running))
+        return policy.choose(max(num_tokens, 1), len(running), drafting).k
 
     def _process(self, flight: InFlightStep) -> list[RequestOutput]:
         """Deliver a launched step's tokens: scheduler update, stop strings, text."""
         step = flight.step
         result = self.runner.collect(flight)
+        if self.spec_policy is not None and flight.spec is not None:
+            for item in step.scheduled:  # before a stop cuts the tokens
+                if item.draft_token_ids:
+                    accepted = len(result.sampled[item.request.request_id]) - 1
+                    self.spec_policy.observe_verified(len(item.draft_token_ids), accepted)
         self.scheduler.update_from_output(step, result.sampled)
         changed: dict[str, Group] = {}
         for rid, (first, scores) in result.prompt_logprobs.items():

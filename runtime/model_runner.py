@@ -316,11 +316,15 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.release(request_id)
 
-    def propose(self, running: list, check: Callable | None = None) -> None:
-        """Leave draft tokens on the running requests that take them (no speculator: none);
-        `check(request)` may cut them (a grammar's, StructuredOutputs.check_drafts)."""
-        if self.speculator is not None:
-            self.speculator.propose(running, check)
+    def propose(
+        self, running: list, check: Callable | None = None, num_drafts: int | None = None
+    ) -> list[tuple]:
+        """Leave up to num_drafts (None: the config's k) draft tokens on the running requests
+        that take them (no speculator: none); `check(request)` may cut them (a grammar's,
+        StructuredOutputs.check_drafts). Returns the (request, room) asked."""
+        if self.speculator is None:
+            return []
+        return self.speculator.propose(running, check, num_drafts)
 
     def generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed

@@ -270,29 +270,31 @@ class Speculator:
         return self.config.num_speculative_tokens
 
     def propose(
-        self, running: list[Request], check: Callable[[Request], None] | None = None
-    ) -> None:
+        self,
+        running: list[Request],
+        check: Callable[[Request], None] | None = None,
+        num_drafts: int | None = None,
+    ) -> list[tuple[Request, int]]:
         """Leave drafts in `spec_token_ids` of the running requests that may take them this
-        step (and clear everyone else's); `check` may then cut a request's drafts (a grammar
-        keeps those it accepts)."""
+        step (and clear everyone else's), at most `num_drafts` each (None: the config's k;
+        the engine's runtime/spec_policy.py chooses); `check` may then cut a request's drafts
+        (a grammar keeps those it accepts). Returns the (request, drafts it could take) asked."""
         for request in running:
             request.spec_token_ids = []
         if isinstance(self.proposer, HeadProposer):
             # A head reads the features of every computed position, drafting this step or not.
             self.proposer.catch_up()
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
-            return
+        if num_drafts == 0 or (limit is not None and len(running) >= limit):
+            return []
+        k = self.config.num_speculative_tokens if num_drafts is None else num_drafts
         wanted = []
         for request in running:
-            room = min(
-                self.config.num_speculative_tokens,
-                request.max_tokens - request.num_output_tokens - 1,
-            )
+            room = min(k, request.max_tokens - request.num_output_tokens - 1)
             if room > 0 and self._eligible(request):
                 wanted.append((request, room))
         if not wanted:
-            return
+            return []
         proposer = self.proposer
         if isinstance(proposer, NgramProposer):
             for request, k in wanted:
@@ -314,6 +316,17 @@ class Speculator:
             else:
                 request.spec_steps_without_drafts += 1
                 request.spec_disabled = request.spec_steps_without_drafts >= window
+        return wanted
+
+    @staticmethod
+    def may_draft(request: Request) -> bool:
+        """Whether a running request would be asked for drafts once its step in flight lands:
+        proposals not turned off, its prompt computed, room under max_tokens."""
+        return (
+            not request.spec_disabled
+            and request.num_computed_tokens >= request.num_prompt_tokens
+            and request.num_output_tokens + request.num_pending_tokens < request.max_tokens - 1
+        )
 
     @staticmethod
     def _eligible(request: Request) -> bool:
@@ -389,11 +402,15 @@ def build_speculator(
     compile_config: CompileConfig | None,
     head: LoadedModel | None = None,
     target: LoadedModel | None = None,
+    proposer: object | None = None,
 ) -> Speculator:
     """The engine's speculator; a draft model gets a KV cache of num_blocks blocks (the
     target's count) and runs compiled with `compile_config` (None: eagerly), without CUDA
     graphs; a head (eagle3, mtp: `load_head`) gets such a cache and runs eagerly beside the
-    `target`."""
+    `target`. A given `proposer` (a benchmark's, with DraftModelProposer's `propose(wanted)`,
+    `release` and `draft_probs`) replaces the method's."""
+    if proposer is not None:
+        return Speculator(config, proposer)
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
     if head is not None:

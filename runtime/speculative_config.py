@@ -50,6 +50,10 @@ class SpeculativeConfig:
     acceptance_window: int = 16
     # vLLM's: no proposals in a step with at least this many running requests (None: always).
     disable_by_batch_size: int | None = None
+    # Ours: each step's k (0..num_speculative_tokens) chosen from the engine's measured step
+    # times and the per-position acceptance, 0 when drafts do not pay (runtime/spec_policy.py);
+    # False: every step offers num_speculative_tokens.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         method = self.method
@@ -100,6 +104,8 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(
                     f"prompt_lookup_min/max are ngram settings; {method} takes none"
                 )
+        if not isinstance(self.adaptive, bool):
+            raise SpeculativeConfigError(f"adaptive={self.adaptive!r}: must be a bool")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise SpeculativeConfigError(f"enforce_eager={self.enforce_eager!r}: must be a bool")
         rate = self.min_acceptance_rate

@@ -18,6 +18,7 @@ from compile_engine.runtime.engine_args import add_engine_options, engine_kwargs
 from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
 from compile_engine.runtime.rejection_sampler import rejection_sample
 from compile_engine.runtime.sampler import SamplingBatch
+from compile_engine.runtime.spec_policy import Choice, SpeculationPolicy
 from compile_engine.runtime.speculative import ngram_lookup
 
 from oracle import GREEDY, NEW_TOKENS, hf_greedy, mixed_prompts
@@ -26,8 +27,9 @@ from tiny_models import TINY_ARCHS, make_tiny_model
 from tiny_moe import make_tiny_moe
 
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
-# Tests keep every request speculating (the acceptance cut-off has its own scheduler test).
-ALWAYS = dict(min_acceptance_rate=0.0)
+# Tests keep every request speculating at k (the acceptance cut-off has its own scheduler
+# test; the per-step choice of k, test_spec_policy.py and the adaptive tests below).
+ALWAYS = dict(min_acceptance_rate=0.0, adaptive=False)
 
 
 def eager(directory, **settings) -> LLM:
@@ -316,7 +318,7 @@ def test_seeded_sampling_is_reproducible_and_low_acceptance_stops_proposing(llam
     directory, hf_model = llama
     prompts = spec_prompts(hf_model.config.vocab_size, seed=6)
     params = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=12, ignore_eos=True)
-    cutoff = dict(min_acceptance_rate=0.5, acceptance_window=6)
+    cutoff = dict(min_acceptance_rate=0.5, acceptance_window=6, adaptive=False)
     for draft in (directory, draft_dir):
         runs = []
         for _ in range(2):
@@ -329,6 +331,36 @@ def test_seeded_sampling_is_reproducible_and_low_acceptance_stops_proposing(llam
     stats = llm.engine.stats()
     assert stats.spec_num_drafts <= 2 * len(prompts) and stats.spec_num_accepted_tokens < 8
     assert not llm.engine.scheduler.speculating()
+
+
+class _CyclingPolicy(SpeculationPolicy):
+    """k = 0, 1, ..., max, 0, ... step after step, whatever the costs: every switch between
+    proposing and not (asynchronous steps again) and between draft lengths is exercised."""
+
+    def choose(self, num_tokens: int, num_rows: int, num_drafting: int) -> Choice:
+        self.turn = getattr(self, "turn", -1) + 1
+        self.seen = getattr(self, "seen", set()) | {self.turn % (self.max_k + 1)}
+        return Choice(self.turn % (self.max_k + 1), 0.0)
+
+
+def test_k_chosen_per_step_keeps_greedy_exact(llama):
+    """The adaptive policy (the default) and a policy cycling k through 0..4 a step, with
+    n-gram and with the target as its own draft (every draft accepted): greedy tokens equal
+    the plain engine's, and the cycling run took every k."""
+    directory, hf_model = llama
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=8)
+    want = _plain(directory, prompts)
+    ngram = dict(NGRAM, num_speculative_tokens=4, min_acceptance_rate=0.0)
+    self_draft = dict(method="draft_model", model=str(directory), num_speculative_tokens=4)
+    for spec in (ngram, self_draft):
+        adaptive = eager(directory, speculative_config=spec)
+        assert adaptive.engine.spec_policy is not None
+        _assert_greedy_as_hf(adaptive, prompts, want)
+        cycling = eager(directory, speculative_config=spec)
+        cycling.engine.spec_policy = policy = _CyclingPolicy(4)
+        _assert_greedy_as_hf(cycling, prompts, want)
+        assert policy.seen == {0, 1, 2, 3, 4}
+    assert adaptive.engine.stats().spec_accepted_per_pos[3] > 0  # it chose k = 4
 
 
 @pytest.fixture(scope="module")
@@ -449,7 +481,10 @@ def test_bench_latency_reports_the_mean_acceptance_length(llama, tmp_path):
     from compile_engine.benchmarks import latency
 
     directory, _ = llama
+    # Fixed k: the adaptive policy rightly finds that a draft as large as the target, run
+    # eagerly, does not pay on this CPU, and would propose nothing.
     spec = {"method": "draft_model", "model": str(directory), "num_speculative_tokens": 3}
+    spec["adaptive"] = False
     argv = ["--model", str(directory), "--target", "cpu", "--dtype", "float32", "--enforce-eager"]
     argv += ["--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--num-iters", "1"]
     argv += ["--copy-rate", "1e10", "--results-dir", str(tmp_path)]

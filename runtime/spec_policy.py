@@ -1,0 +1,232 @@
+"""How many drafts a step takes (issue 33, deliverable 3): k chosen per step, 0..
+num_speculative_tokens, from measured step times and per-position acceptance, so that
+speculation never makes a batch slower. Plain Python, no torch (STYLE #7).
+
+A step with B decoding rows, D of them drafting with up to k drafts each, schedules about
+B + D * drafted(k) tokens and emits about B + D * accepted(k):
+
+    drafted(k)  = sum_{i<=k} p_i                    p_i: a row asked for >= i drafts got >= i
+    accepted(k) = sum_{i<=k} p_i * prod_{j<=i} a_j  a_j: draft j accepted, the ones before were
+
+The policy picks the k with the most expected tokens per second, `tokens(k) / t(T(k))`, where
+t(T) is the engine's measured step time at T scheduled tokens. That is the trade-off vLLM's
+fixed k and its n-gram slowdown under load miss: at batch 1 on a GPU verifying 5 tokens costs
+about what 1 does (the weights are read once either way), at batch 256 it does not, and at low
+acceptance no k pays. When k = 0 wins, the engine steps asynchronously again (no proposal needs
+the last tokens on the host) and every `probe_interval()` steps a k = 1 step refreshes the
+acceptance estimate, spaced so that probes cost at most `probe_budget` of the time.
+
+Estimates adapt: step times are the median of the last `window` steps at a token count
+(exact counts up to 32, geometric bins above; the median because a CPU shared with other work
+stalls a step now and then); a count not timed yet costs what the nearest smaller one timed
+does (optimistic: a k that could win is tried once at each size, then it is known), and a
+step without drafts is timed at a size before any k is judged against it. Acceptance counts
+decay by `decay` each step that verified drafts, from priors (proposals: all given;
+acceptance: one half) worth `prior_weight` observations a position.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field
+
+# Token counts up to this are timed exactly; above, in bins of this ratio (a batch-256
+# verification step's count varies with each row's drafts).
+_EXACT_TOKENS = 32
+_BIN_RATIO = 1.125
+
+
+def token_bin(num_tokens: int) -> int:
+    """The representative count of the bin `num_tokens` is timed in."""
+    if num_tokens <= _EXACT_TOKENS:
+        return num_tokens
+    index = math.floor(math.log(num_tokens / _EXACT_TOKENS, _BIN_RATIO))
+    return round(_EXACT_TOKENS * _BIN_RATIO**index)
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Step seconds by scheduled tokens: a windowed median per bin, interpolated."""
+
+    window: int = 16
+    _samples: dict[int, deque[float]] = field(default_factory=dict)
+    _keys: list[int] = field(default_factory=list)  # sorted bins with samples
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or not seconds > 0:
+            return
+        key = token_bin(num_tokens)
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = deque(maxlen=self.window)
+            self._keys.insert(bisect_left(self._keys, key), key)
+        samples.append(seconds)
+
+    def known(self, num_tokens: int) -> bool:
+        return token_bin(num_tokens) in self._samples
+
+    def estimate(self, num_tokens: float) -> float | None:
+        """Seconds a step of `num_tokens` takes; None before any step was timed. A count not
+        timed yet is taken to cost what the nearest timed count below it does (the smallest
+        timed, if none is below): optimistic, so that a k that could win is tried once at
+        each size and then known."""
+        keys = self._keys
+        if not keys:
+            return None
+        key = token_bin(round(num_tokens))
+        if key in self._samples:
+            return self._median(key)
+        i = bisect_left(keys, key)
+        return self._median(keys[max(i - 1, 0)])
+
+    def _median(self, key: int) -> float:
+        values = sorted(self._samples[key])
+        n = len(values)
+        return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Per-position proposal and acceptance rates, decayed counts (position i = index i - 1)."""
+
+    k: int
+    decay: float = 0.9
+    prior_weight: float = 1.0
+    asked: list[float] = field(init=False)  # rows that could take >= i drafts
+    proposed: list[float] = field(init=False)  # ... and got >= i from the proposer
+    offered: list[float] = field(init=False)  # rows verifying draft i, 1..i-1 accepted
+    accepted: list[float] = field(init=False)  # ... and draft i accepted
+
+    def __post_init__(self) -> None:
+        self.asked, self.proposed = [0.0] * self.k, [0.0] * self.k
+        self.offered, self.accepted = [0.0] * self.k, [0.0] * self.k
+
+    def age(self) -> None:
+        for counts in (self.asked, self.proposed, self.offered, self.accepted):
+            for i in range(self.k):
+                counts[i] *= self.decay
+
+    def observe_proposal(self, room: int, num_drafts: int) -> None:
+        """A row could take `room` drafts and the proposer gave `num_drafts`."""
+        for i in range(min(room, self.k)):
+            self.asked[i] += 1
+            self.proposed[i] += i < num_drafts
+
+    def observe_verified(self, num_drafts: int, num_accepted: int) -> None:
+        """A row verified `num_drafts` drafts and the target accepted the first `num_accepted`."""
+        for i in range(min(num_accepted + 1, num_drafts, self.k)):
+            self.offered[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def rates(self) -> tuple[list[float], list[float]]:
+        """(p_i, a_i) for i = 1..k, pulled by the prior toward 1 (a proposer gives what it
+        is asked for until seen otherwise) and toward one half."""
+        w = self.prior_weight
+
+        def rate(hits: float, trials: float, prior: float) -> float:
+            return (hits + prior * w) / (trials + w) if trials + w > 0 else prior
+
+        p = [rate(self.proposed[i], self.asked[i], 1.0) for i in range(self.k)]
+        a = [rate(self.accepted[i], self.offered[i], 0.5) for i in range(self.k)]
+        return p, a
+
+
+@dataclass(slots=True)
+class Choice:
+    k: int
+    tokens_per_s: float  # the expected rate at k (0 when no step time is known yet)
+    probe: bool = False  # k = 1 chosen to refresh the acceptance estimate
+
+
+class SpeculationPolicy:
+    """Chooses each step's k; the engine reports each step's tokens and time, each row's
+    proposal and verification."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        *,
+        window: int = 16,
+        decay: float = 0.9,
+        prior_weight: float = 1.0,
+        probe_budget: float = 0.01,
+        max_probe_interval: int = 256,
+    ) -> None:
+        self.max_k = num_speculative_tokens
+        self.costs = StepCosts(window)
+        self.acceptance = Acceptance(num_speculative_tokens, decay, prior_weight)
+        self.probe_budget = probe_budget
+        self.max_probe_interval = max_probe_interval
+        self._steps_since_drafts = 0
+        self.last: Choice | None = None
+
+    # -- what happened --------------------------------------------------------------------
+
+    def observe_step(self, num_tokens: int, seconds: float, drafted: bool) -> None:
+        """One engine step: the tokens it scheduled, its wall time, whether rows verified
+        drafts (the acceptance counts age by steps that taught them something)."""
+        self.costs.observe(num_tokens, seconds)
+        if drafted:
+            self._steps_since_drafts = 0
+            self.acceptance.age()
+        else:
+            self._steps_since_drafts += 1
+
+    def observe_proposal(self, room: int, num_drafts: int) -> None:
+        self.acceptance.observe_proposal(room, num_drafts)
+
+    def observe_verified(self, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe_verified(num_drafts, num_accepted)
+
+    # -- the choice -----------------------------------------------------------------------
+
+    def expected(self, k: int) -> tuple[float, float]:
+        """(drafted(k), accepted(k)) for one drafting row."""
+        p, a = self.acceptance.rates()
+        drafted = accepted = 0.0
+        survive = 1.0
+        for i in range(k):
+            survive *= a[i]
+            drafted += p[i]
+            accepted += p[i] * survive
+        return drafted, accepted
+
+    def rate(self, k: int, num_tokens: int, num_rows: int, num_drafting: int) -> float:
+        """Expected emitted tokens per second of a step of `num_tokens` tokens without drafts,
+        `num_rows` of them sampling, `num_drafting` of those taking up to k drafts."""
+        drafted, accepted = self.expected(k)
+        seconds = self.costs.estimate(num_tokens + num_drafting * drafted)
+        tokens = num_rows + num_drafting * accepted
+        return tokens / seconds if seconds else 0.0
+
+    def choose(self, num_tokens: int, num_rows: int, num_drafting: int) -> Choice:
+        """The k for a step of `num_tokens` tokens before drafts, `num_rows` sampling rows,
+        `num_drafting` of which may take drafts."""
+        if num_drafting <= 0 or self.max_k == 0 or not self.costs.known(num_tokens):
+            # A step without drafts at this size is timed first: every k is judged against it.
+            choice = Choice(0, 0.0)
+        else:
+            rates = [
+                self.rate(k, num_tokens, num_rows, num_drafting) for k in range(self.max_k + 1)
+            ]
+            best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))  # ties: fewer
+            choice = Choice(best, rates[best])
+            if best == 0 and self._steps_since_drafts >= self.probe_interval(
+                num_tokens, num_drafting
+            ):
+                choice = Choice(1, rates[1], probe=True)
+        self.last = choice
+        return choice
+
+    def probe_interval(self, num_tokens: int, num_drafting: int) -> int:
+        """Steps between k = 1 probes while k = 0 wins: a probe's extra time over the
+        interval's is at most probe_budget (at least 8 steps, at most max_probe_interval)."""
+        base = self.costs.estimate(num_tokens) or 0.0
+        drafted, _ = self.expected(1)
+        probe = self.costs.estimate(num_tokens + num_drafting * drafted) or base
+        if base <= 0:
+            return 8
+        extra = max(probe - base, 0.0) / base
+        return max(8, min(self.max_probe_interval, math.ceil(extra / self.probe_budget)))
