@@ -18,6 +18,11 @@ COMMANDS = {
         "compile_engine.benchmarks.throughput",
         "offline N requests through LLM.generate",
     ),
+    "speculative": (
+        "compile_engine.benchmarks.speculative",
+        "tok/s with and without speculative decoding: the rewrite/summarise/code-edit "
+        "workload, or --replay's all/none-accepted bounds",
+    ),
     "serve": (
         "compile_engine.benchmarks.serve",
         "TTFT/TPOT/ITL/E2EL and tok/s against an OpenAI server",

@@ -83,18 +83,24 @@ Progress = Callable[[str, int, int | None], None]  # (task, done, total): runtim
 
 
 def build_engine(
-    config: EngineConfig, loaded: LoadedModel | None = None, progress: Progress | None = None
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    progress: Progress | None = None,
+    *,
+    proposer: object | None = None,
 ) -> EngineParts:
     """Build an engine's parts from `config` (an artifact directory or a model), or around an
     already `loaded` model; `progress` hears the weight read, the compile and the CUDA-graph
-    capture as they go (`StartupProgress`, for the command line). Start-up allocates millions
+    capture as they go (`StartupProgress`, for the command line). `proposer` replaces the
+    speculative_config method's (the benchmarks' replay proposer, benchmarks/speculative.py:
+    not reachable from LLM or the server). Start-up allocates millions
     of objects (modules, Dynamo and Inductor state) and the collector's automatic passes
     traverse them again and again: 0.95 s of a 32-layer model's start-up on the 2-core CPU,
     0.33 s with them paused until the one full collection at the end. Paused for start-up only,
     whatever it raises."""
     collecting = gc.isenabled()
     gc.disable()
-    start = _Start(config, progress)
+    start = _Start(config, progress, proposer)
     try:
         return start.build(loaded)
     except BaseException:
@@ -112,9 +118,12 @@ def build_engine(
 class _Start:
     """One start-up's state: the phase timings and the weight read in flight."""
 
-    def __init__(self, config: EngineConfig, progress: Progress | None) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: Progress | None, proposer: object | None
+    ) -> None:
         self.config = config
         self.progress = progress
+        self.proposer = proposer
         self.t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
         self.weights: WeightRead | None = None
@@ -261,6 +270,7 @@ class _Start:
                 else CompileConfig(config.target, kernel=KernelConfig.coerce(config.kernel_config)),
                 head=head,
                 target=loaded,
+                proposer=self.proposer,
             )
             self.phase("draft_model_s", mark)
         runner = ModelRunner(
