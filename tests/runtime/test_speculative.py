@@ -532,3 +532,36 @@ def test_smollm2_greedy_and_a_stop_string_with_ngram(smollm2_llm):
     )
     assert b.stop_reason == "4. 4" and len(b.token_ids) > 8
     assert engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_bench_speculative_replays_and_the_replay_is_no_users_method(llama, tmp_path):
+    """`bench speculative --replay`: the benchmark-only replay proposer's all-accepted and
+    none-accepted runs beside the plain engine's, its keys, and its tokens equal the plain
+    engine's; `replay` is no speculative_config method (LLM and the server refuse it)."""
+    import json
+
+    from compile_engine.benchmarks import speculative
+
+    directory, _ = llama
+    argv = ["--model", str(directory), "--target", "cpu", "--dtype", "float32", "--enforce-eager"]
+    argv += ["--replay", "--batch-sizes", "1,2", "--input-len", "5", "--output-len", "12"]
+    argv += ["--rounds", "1", "--results-dir", str(tmp_path)]
+    spec = dict(NGRAM, num_speculative_tokens=3, adaptive=False, min_acceptance_rate=0.0)
+    assert speculative.main([*argv, "--speculative-config", json.dumps(spec)]) == 0
+    (record,) = tmp_path.glob("speculative-replay-*.json")
+    data = json.loads(record.read_text())
+    assert data["spec_ceiling_mean_acceptance_length_bs1_k3"] == pytest.approx(4.0, abs=0.5)
+    assert data["batches"]["2"]["zero"]["mean_acceptance_length"] == 1.0
+    assert {"spec_ceiling_speedup_bs2_k3", "spec_zero_accept_cost_bs1"} <= set(data)
+    assert "benchmark-only" in data["proposers"]["ceiling"]
+    for b in ("1", "2"):
+        assert data["batches"][b]["ceiling"]["outputs_differ"] == 0
+        assert data["batches"][b]["zero"]["outputs_differ"] == 0
+    items = speculative.load_workload()
+    assert len(items) >= 12 and {it["kind"] for it in items} == {
+        "rewrite",
+        "summarise",
+        "code-edit",
+    }
+    with pytest.raises(EngineConfigError, match="method='replay' is not supported"):
+        EngineConfig("x", target="cpu", speculative_config=dict(NGRAM, method="replay"))
