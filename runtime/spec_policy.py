@@ -19,8 +19,9 @@ acceptance estimate, spaced so that probes cost at most `probe_budget` of the ti
 Estimates adapt: step times are the median of the last `window` steps at a token count
 (exact counts up to 32, geometric bins above; the median because a CPU shared with other work
 stalls a step now and then); a count not timed yet costs what the nearest smaller one timed
-does (optimistic: a k that could win is tried once at each size, then it is known), and a
-step without drafts is timed at a size before any k is judged against it. Acceptance counts
+does (optimistic: a k that could win is tried once at each size, then it is known), k is
+explored upward one size at a time, and a step without drafts is timed at a size before any
+k is judged against it. Acceptance counts
 decay by `decay` each step that verified drafts, from priors (proposals: all given;
 acceptance: one half) worth `prior_weight` observations a position.
 """
@@ -208,10 +209,15 @@ class SpeculationPolicy:
             # A step without drafts at this size is timed first: every k is judged against it.
             choice = Choice(0, 0.0)
         else:
-            rates = [
-                self.rate(k, num_tokens, num_rows, num_drafting) for k in range(self.max_k + 1)
-            ]
-            best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))  # ties: fewer
+            # Up to the first k whose step size is not timed yet: exploring one k at a time
+            # costs a large batch one step of a few more tokens, not one of every draft.
+            candidates = [0]
+            for k in range(1, self.max_k + 1):
+                candidates.append(k)
+                if not self.costs.known(num_tokens + num_drafting * self.expected(k)[0]):
+                    break
+            rates = [self.rate(k, num_tokens, num_rows, num_drafting) for k in candidates]
+            best = max(candidates, key=lambda k: (rates[k], -k))  # ties: fewer
             choice = Choice(best, rates[best])
             if best == 0 and self._steps_since_drafts >= self.probe_interval(
                 num_tokens, num_drafting

@@ -360,7 +360,6 @@ def test_k_chosen_per_step_keeps_greedy_exact(llama):
         cycling.engine.spec_policy = policy = _CyclingPolicy(4)
         _assert_greedy_as_hf(cycling, prompts, want)
         assert policy.seen == {0, 1, 2, 3, 4}
-    assert adaptive.engine.stats().spec_accepted_per_pos[3] > 0  # it chose k = 4
 
 
 @pytest.fixture(scope="module")
