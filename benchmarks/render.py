@@ -435,6 +435,8 @@ def _details(r: dict) -> list[str]:
         lines += _gemm_norm(r)
     elif kind == "offline_floor":
         lines += _offline_floor(r)
+    elif kind in ("speculative", "speculative_replay"):
+        lines += _speculative(r)
     elif kind in ("moe", "mla"):
         # Their modules import torch; only a result of that kind pays for it.
         module = importlib.import_module(f"compile_engine.benchmarks.{kind}")
@@ -443,6 +445,37 @@ def _details(r: dict) -> list[str]:
         flat = [[k, _fmt(r[k])] for k in FLAT_KEYS if k in r]
         lines += _table(["key", "value"], flat) if flat else []
     return lines
+
+
+def _speculative(r: dict) -> list[str]:
+    """bench speculative: per batch size, the plain engine's decode tok/s and each
+    speculative engine's, its speed-up and acceptance length."""
+    spec = r.get("speculative_config") or {}
+    what = (
+        f"random {r['input_len']}-token prompts, {r['output_len']} tokens each, the replay "
+        "proposer (benchmark-only: all / none of the target's own continuation accepted)"
+        if "input_len" in r
+        else f"{len(r.get('prompts', []))} prompts of {r.get('workload')}, up to "
+        f"{r.get('max_tokens')} tokens each"
+    )
+    lines = [
+        f"{what}; k = {spec.get('num_speculative_tokens')}, adaptive {spec.get('adaptive')}; "
+        f"median of {r['rounds']} alternating rounds; load average {r.get('load_average')}.",
+        "",
+    ]
+    rows = []
+    for b, entry in r["batches"].items():
+        for name, x in entry.items():
+            if name == "off":
+                continue
+            length = x.get("mean_acceptance_length")
+            rows.append(
+                [b, _fmt(entry["off"]["decode_tok_s"]), name, _fmt(x["decode_tok_s"]),
+                 f"{x['speedup']:.2f}x", f"{length:.2f}" if length else "—",
+                 str(x.get("outputs_differ", "—"))]
+            )  # fmt: skip
+    header = ["batch", "off tok/s", "speculative", "tok/s", "speed-up", "accept len"]
+    return lines + _table([*header, "outputs differing"], rows)
 
 
 def _gemm(r: dict) -> list[str]:

@@ -254,7 +254,8 @@ def print_batch(b: int, entry: dict) -> None:
         length = r["mean_acceptance_length"]
         print(
             f"    {name:<12} {r['decode_tok_s']:>10,.1f} tok/s  {r['speedup']:.2f}x  "
-            f"accept len {length or 0:.2f}  outputs differing {r['outputs_differ']}"
+            f"accept len {f'{length:.2f}' if length else '-'}  "
+            f"outputs differing {r['outputs_differ']}"
         )
 
 
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.name or "speculative"
     first = engines[next(n for n in engines if n != "off")]
     payload.update(
-        benchmark="speculative",
+        # Two kinds, so that the replay record is no named variant of the workload's (render).
+        benchmark="speculative_replay" if args.replay else "speculative",
         model=args.model,
         model_config=model_summary(_Wrap(engines["off"])),
         engine=engine_settings(_Wrap(first)),

@@ -79,6 +79,20 @@ TARGETS = (
         percent=True,
     ),
     Target("grammar_mask_p99_ms", "one sequence's grammar mask, 128k vocabulary, p99 ms", 1, False),
+    Target(
+        "spec_ceiling_speedup_bs1_k4",
+        "speculation, every draft accepted (replay, benchmark-only), k = 4, batch 1, speed-up",
+        3.2,
+    ),
+    Target(
+        "spec_zero_accept_cost_bs1",
+        "speculation, no draft accepted (replay, benchmark-only), batch 1, tok/s lost",
+        0.03,
+        False,
+        percent=True,
+    ),
+    Target("spec_zero_accept_speedup_bs256", "speculation, none accepted, batch 256", 0.98),
+    Target("spec_ceiling_speedup_bs256_k4", "speculation, all accepted, batch 256", 0.98),
 )
 PLOTTED = ("decode_bs1_tok_s", "decode_bs64_tok_s", "decode_bs256_tok_s", "offline_output_tok_s")
 
