@@ -54,6 +54,7 @@ class StepCosts:
     window: int = 16
     _samples: dict[int, deque[float]] = field(default_factory=dict)
     _keys: list[int] = field(default_factory=list)  # sorted bins with samples
+    _medians: dict[int, float] = field(default_factory=dict)  # computed since the last sample
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or not seconds > 0:
@@ -64,6 +65,7 @@ class StepCosts:
             samples = self._samples[key] = deque(maxlen=self.window)
             self._keys.insert(bisect_left(self._keys, key), key)
         samples.append(seconds)
+        self._medians.pop(key, None)
 
     def known(self, num_tokens: int) -> bool:
         return token_bin(num_tokens) in self._samples
@@ -83,9 +85,13 @@ class StepCosts:
         return self._median(keys[max(i - 1, 0)])
 
     def _median(self, key: int) -> float:
-        values = sorted(self._samples[key])
-        n = len(values)
-        return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+        median = self._medians.get(key)
+        if median is None:
+            values = sorted(self._samples[key])
+            n = len(values)
+            median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+            self._medians[key] = median
+        return median
 
 
 @dataclass(slots=True)
@@ -183,21 +189,25 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------
 
-    def expected(self, k: int) -> tuple[float, float]:
-        """(drafted(k), accepted(k)) for one drafting row."""
+    def expected(self) -> list[tuple[float, float]]:
+        """(drafted(k), accepted(k)) of one drafting row, for k = 0..num_speculative_tokens."""
         p, a = self.acceptance.rates()
+        table = [(0.0, 0.0)]
         drafted = accepted = 0.0
         survive = 1.0
-        for i in range(k):
+        for i in range(self.max_k):
             survive *= a[i]
             drafted += p[i]
             accepted += p[i] * survive
-        return drafted, accepted
+            table.append((drafted, accepted))
+        return table
 
-    def rate(self, k: int, num_tokens: int, num_rows: int, num_drafting: int) -> float:
+    def rate(
+        self, expected: tuple[float, float], num_tokens: int, num_rows: int, num_drafting: int
+    ) -> float:
         """Expected emitted tokens per second of a step of `num_tokens` tokens without drafts,
-        `num_rows` of them sampling, `num_drafting` of those taking up to k drafts."""
-        drafted, accepted = self.expected(k)
+        `num_rows` of them sampling, `num_drafting` of those drafting (drafted, accepted)."""
+        drafted, accepted = expected
         seconds = self.costs.estimate(num_tokens + num_drafting * drafted)
         tokens = num_rows + num_drafting * accepted
         return tokens / seconds if seconds else 0.0
@@ -209,28 +219,31 @@ class SpeculationPolicy:
             # A step without drafts at this size is timed first: every k is judged against it.
             choice = Choice(0, 0.0)
         else:
+            expected = self.expected()
             # Up to the first k whose step size is not timed yet: exploring one k at a time
             # costs a large batch one step of a few more tokens, not one of every draft.
-            candidates = [0]
-            for k in range(1, self.max_k + 1):
-                candidates.append(k)
-                if not self.costs.known(num_tokens + num_drafting * self.expected(k)[0]):
-                    break
-            rates = [self.rate(k, num_tokens, num_rows, num_drafting) for k in candidates]
-            best = max(candidates, key=lambda k: (rates[k], -k))  # ties: fewer
+            last = 1
+            while last < self.max_k and self.costs.known(
+                num_tokens + num_drafting * expected[last][0]
+            ):
+                last += 1
+            rates = [
+                self.rate(expected[k], num_tokens, num_rows, num_drafting) for k in range(last + 1)
+            ]
+            best = max(range(last + 1), key=lambda k: (rates[k], -k))  # ties: fewer
             choice = Choice(best, rates[best])
             if best == 0 and self._steps_since_drafts >= self.probe_interval(
-                num_tokens, num_drafting
+                num_tokens, num_drafting, expected[1][0]
             ):
                 choice = Choice(1, rates[1], probe=True)
         self.last = choice
         return choice
 
-    def probe_interval(self, num_tokens: int, num_drafting: int) -> int:
-        """Steps between k = 1 probes while k = 0 wins: a probe's extra time over the
-        interval's is at most probe_budget (at least 8 steps, at most max_probe_interval)."""
+    def probe_interval(self, num_tokens: int, num_drafting: int, drafted: float = 1.0) -> int:
+        """Steps between k = 1 probes while k = 0 wins (`drafted`: drafts a row expects at
+        k = 1): a probe's extra time over the interval's is at most probe_budget (at least 8
+        steps, at most max_probe_interval)."""
         base = self.costs.estimate(num_tokens) or 0.0
-        drafted, _ = self.expected(1)
         probe = self.costs.estimate(num_tokens + num_drafting * drafted) or base
         if base <= 0:
             return 8
