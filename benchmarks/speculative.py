@@ -227,6 +227,13 @@ def bench(args, engines: dict, prompts: dict[int, list[list[int]]], params, on_p
         for warm in (True, *([False] * args.rounds)):
             for name, engine in engines.items():
                 done = run_pass(engine, batches, params)
+                length = done["mean_acceptance_length"]
+                print(
+                    f"  batch {b} {'warmup' if warm else 'round'} {name}: "
+                    f"{done['decode_tok_s']:,.1f} tok/s"
+                    + (f", accept len {length:.2f}" if length else ""),
+                    flush=True,
+                )
                 if on_pass is not None:
                     on_pass(name, [p for batch in batches for p in batch], done["outputs"])
                 if not warm:
