@@ -217,15 +217,27 @@ def summarize(passes: list[dict]) -> dict:
     }
 
 
-def bench(args, engines: dict, prompts: dict[int, list[list[int]]], params, on_pass=None) -> dict:
-    """Every batch size: one warmup pass per engine, then --rounds rounds of one pass per
-    engine in turn. Returns per batch size and engine the summary, with the speedups."""
+def bench(
+    args,
+    engines: dict,
+    prompts: dict[int, list[list[int]]],
+    params,
+    on_pass=None,
+    warmup_params=None,
+) -> dict:
+    """Every batch size: one warmup pass per engine (with `warmup_params`, the first two
+    batches only: compiles and the step-cost table, not a full pass), then --rounds rounds of
+    one pass per engine in turn. Returns per batch size and engine the summary, with the
+    speedups."""
     results: dict = {}
     for b, batch_prompts in prompts.items():
         batches = batches_of(batch_prompts, b)
         passes: dict[str, list[dict]] = {name: [] for name in engines}
         for warm in (True, *([False] * args.rounds)):
             for name, engine in engines.items():
+                if warm and warmup_params is not None:
+                    run_pass(engine, batches[:2], warmup_params)
+                    continue
                 done = run_pass(engine, batches, params)
                 length = done["mean_acceptance_length"]
                 print(
@@ -329,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"a request may reach {longest} tokens, over {WORKLOAD_MAX_LEN}")
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         init_s = time.perf_counter() - t0
-        results = bench(args, engines, dict.fromkeys(batch_sizes, token_ids), params)
+        warmup = SamplingParams(temperature=0.0, max_tokens=min(16, args.max_tokens))
+        results = bench(args, engines, dict.fromkeys(batch_sizes, token_ids), params, None, warmup)
         payload = workload_payload(results, spec["method"])
         payload.update(
             workload=Path(args.workload).name,
