@@ -21,7 +21,9 @@ clock), so prefill, which speculation does not change, does not dilute the ratio
   in place of the config's method (ngram, whose settings then only carry k and the policy).
 
 Both modes run speculative_config as given: the default adaptive k (runtime/spec_policy.py)
-and acceptance cut-off included, so that the numbers are what a user gets. Each run checks
+and acceptance cut-off included, so that the numbers are what a user gets. A JSON list of
+configs runs each beside the first (the keys are the first's): e.g. a fixed k against the
+adaptive one, in the same alternation. Each run checks
 that the speculative engine's tokens equal the plain engine's; the count that differ is
 recorded (`outputs_differ`: rounding at other step shapes can flip a near-tied argmax in
 bfloat16, which is not speculation changing an output).
@@ -188,9 +190,10 @@ def kv_blocks_needed(max_batch: int, max_len: int, block_size: int) -> int:
     return max_batch * math.ceil((max_len + 16) / block_size) + 2
 
 
-def build_engines(args, spec: dict, variants: dict[str, object | None], max_len: int) -> dict:
-    """`off` and one speculative engine per variant (name -> proposer or None for the
-    config's), all around one loaded model, each with its own KV pool and compile."""
+def build_engines(args, variants: dict[str, tuple[dict, object | None]], max_len: int) -> dict:
+    """`off` and one speculative engine per variant (name -> its speculative_config and a
+    proposer, None for the config's), all around one loaded model, each with its own KV pool
+    and compile."""
     from compile_engine.runtime.engine import EngineConfig, LLMEngine
 
     kwargs = engine_kwargs(args)
@@ -200,7 +203,7 @@ def build_engines(args, spec: dict, variants: dict[str, object | None], max_len:
         kwargs["num_kv_blocks"] = kv_blocks_needed(args.max_num_seqs, max_len, args.block_size)
     engines = {"off": LLMEngine(EngineConfig(model=args.model, **kwargs))}
     loaded = engines["off"].loaded
-    for name, proposer in variants.items():
+    for name, (spec, proposer) in variants.items():
         config = EngineConfig(model=args.model, speculative_config=spec, **kwargs)
         engines[name] = LLMEngine(config, loaded=loaded, proposer=proposer)
     return engines
@@ -259,6 +262,9 @@ def bench(
                 entry[name]["outputs_differ"] = sum(
                     a != b for a, b in zip(runs[-1]["outputs"], off_outputs, strict=True)
                 )
+        for name, engine in engines.items():
+            if engine.spec_policy is not None:  # what the per-step choice of k saw and chose
+                entry[name]["policy"] = engine.spec_policy.describe()
         results[b] = entry
         print_batch(b, entry)
     return results
@@ -304,13 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_seqs = max(batch_sizes)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    spec = json.loads(args.speculative_config) if args.speculative_config else dict(DEFAULT_NGRAM)
+    specs = json.loads(args.speculative_config) if args.speculative_config else dict(DEFAULT_NGRAM)
+    specs = specs if isinstance(specs, list) else [specs]
+    spec = specs[0]
     k = SpeculativeConfig.coerce(dict(spec)).num_speculative_tokens
     t0 = time.perf_counter()
     if args.replay:
         ceiling, zero = ReplayProposer(0), ReplayProposer(0, wrong=True)
         max_len = args.input_len + args.output_len
-        engines = build_engines(args, spec, {"ceiling": ceiling, "zero": zero}, max_len)
+        engines = build_engines(args, {"ceiling": (spec, ceiling), "zero": (spec, zero)}, max_len)
         vocab = engines["off"].model_config.vocab_size
         ceiling.vocab_size = zero.vocab_size = vocab
         rng = random.Random(args.seed)
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.name or "speculative-replay"
     else:
         items = load_workload(Path(args.workload))[: args.num_prompts]
-        engines = build_engines(args, spec, {spec["method"]: None}, WORKLOAD_MAX_LEN)
+        engines = build_engines(args, workload_variants(specs), WORKLOAD_MAX_LEN)
         tokenizer = engines["off"].tokenizer
         token_ids = [chat_token_ids(tokenizer, it["messages"]) for it in items]
         longest = max(map(len, token_ids)) + args.max_tokens
@@ -363,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         speculative_config=first.config.speculative_config.to_dict(),
         proposers={"ceiling": ReplayProposer.label, "zero": ReplayProposer.label + ", shifted"}
         if args.replay
-        else {spec["method"]: spec["method"]},
+        else {name: v[0] for name, v in workload_variants(specs).items()},
         rounds=args.rounds,
         engines_init_s=init_s,
         torch_threads=torch.get_num_threads(),
@@ -387,6 +395,16 @@ def _load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def workload_variants(specs: list[dict]) -> dict[str, tuple[dict, None]]:
+    """The first config under its method's name (the recorded keys'), each further one (an
+    A/B beside it) as `<method>-k<k>[-fixed]`."""
+    variants = {specs[0]["method"]: (specs[0], None)}
+    for spec in specs[1:]:
+        fixed = "-fixed" if spec.get("adaptive") is False else ""
+        variants[f"{spec['method']}-k{spec['num_speculative_tokens']}{fixed}"] = (spec, None)
+    return variants
 
 
 def workload_payload(results: dict, method: str) -> dict:

@@ -67,8 +67,9 @@ class StepCosts:
         samples.append(seconds)
         self._medians.pop(key, None)
 
-    def known(self, num_tokens: int) -> bool:
-        return token_bin(num_tokens) in self._samples
+    def known(self, num_tokens: float) -> bool:
+        """Whether a step of this many tokens (the larger count of a mixture) was timed."""
+        return token_bin(math.ceil(num_tokens)) in self._samples
 
     def estimate(self, num_tokens: float) -> float | None:
         """Seconds a step of `num_tokens` takes; None before any step was timed. A count not
@@ -78,6 +79,13 @@ class StepCosts:
         keys = self._keys
         if not keys:
             return None
+        low = math.floor(num_tokens)
+        if low < num_tokens and low <= _EXACT_TOKENS:
+            # An expected count between two exact ones (some rows drafting, some not): the
+            # mixture's cost, linear between the two.
+            share = num_tokens - low
+            t_low, t_high = self.estimate(low), self.estimate(low + 1)
+            return t_low + share * (t_high - t_low)
         key = token_bin(round(num_tokens))
         if key in self._samples:
             return self._median(key)
@@ -136,6 +144,8 @@ class Acceptance:
             return (hits + prior * w) / (trials + w) if trials + w > 0 else prior
 
         p = [rate(self.proposed[i], self.asked[i], 1.0) for i in range(self.k)]
+        for i in range(1, self.k):  # a row given i + 1 drafts was given i: never more likely
+            p[i] = min(p[i], p[i - 1])
         a = [rate(self.accepted[i], self.offered[i], 0.5) for i in range(self.k)]
         return p, a
 
@@ -168,6 +178,7 @@ class SpeculationPolicy:
         self.max_probe_interval = max_probe_interval
         self._steps_since_drafts = 0
         self.last: Choice | None = None
+        self.chosen = [0] * (num_speculative_tokens + 1)  # steps per k chosen, for the record
 
     # -- what happened --------------------------------------------------------------------
 
@@ -237,7 +248,18 @@ class SpeculationPolicy:
             ):
                 choice = Choice(1, rates[1], probe=True)
         self.last = choice
+        self.chosen[choice.k] += 1
         return choice
+
+    def describe(self) -> dict:
+        """What the policy learned and chose, for a benchmark's record."""
+        p, a = self.acceptance.rates()
+        return {
+            "step_s_by_tokens": {k: self.costs.estimate(k) for k in self.costs._keys},
+            "proposal_rates": p,
+            "acceptance_rates": a,
+            "steps_by_k": list(self.chosen),
+        }
 
     def probe_interval(self, num_tokens: int, num_drafting: int, drafted: float = 1.0) -> int:
         """Steps between k = 1 probes while k = 0 wins (`drafted`: drafts a row expects at

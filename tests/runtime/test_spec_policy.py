@@ -45,6 +45,8 @@ def test_step_costs_are_medians_and_optimistic_where_not_timed():
     costs.observe(9, 0.018)
     assert costs.estimate(5) == pytest.approx(0.010)  # not timed: the nearest below
     assert costs.estimate(9) == costs.estimate(17) == pytest.approx(0.018)
+    costs.observe(3, 0.012)
+    assert costs.estimate(2.25) == pytest.approx(0.0105)  # a mixture of 2 and 3
     # The median of the window: one stall does not move it.
     for seconds in (0.010, 0.010, 3.0):
         costs.observe(2, seconds)
