@@ -313,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_seqs = max(batch_sizes)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    specs = json.loads(args.speculative_config) if args.speculative_config else dict(DEFAULT_NGRAM)
+    # --replay's default k is the key's, 4 (spec_ceiling_speedup_bs1_k4).
+    default = dict(DEFAULT_NGRAM, num_speculative_tokens=4) if args.replay else DEFAULT_NGRAM
+    specs = json.loads(args.speculative_config) if args.speculative_config else dict(default)
     specs = specs if isinstance(specs, list) else [specs]
     spec = specs[0]
     k = SpeculativeConfig.coerce(dict(spec)).num_speculative_tokens
