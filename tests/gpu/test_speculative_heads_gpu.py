@@ -43,7 +43,7 @@ def test_eagle3_and_mtp_greedy_equal_plain_with_cuda_graphs(tmp_path):
 
     prompts = mixed_prompts(96, seed=1) + [[5, 6, 7, 8] * 6]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    always = dict(min_acceptance_rate=0.0)
+    always = dict(min_acceptance_rate=0.0, adaptive=False)
     llama, ds = tmp_path / "llama", tmp_path / "ds"
     make_tiny_model("llama", llama)
     make_tiny_deepseek("deepseek-v3", ds, mtp=True)
@@ -75,7 +75,13 @@ def test_the_published_eagle3_head_shape_loads_and_drafts_at_llama3_8b_width(tmp
 
     target = make_model("llama3-8b", tmp_path / "target", device="cuda", layers=4)
     head = make_eagle3_head("llama3-8b", tmp_path / "head", device="cuda")
-    spec = dict(method="eagle3", model=str(head), num_speculative_tokens=3, min_acceptance_rate=0)
+    spec = dict(
+        method="eagle3",
+        model=str(head),
+        num_speculative_tokens=3,
+        min_acceptance_rate=0,
+        adaptive=False,
+    )
     llm = LLM(str(target), target="h100", dtype="bfloat16", max_num_seqs=8, speculative_config=spec)
     proposer = llm.engine.runner.speculator.proposer
     assert proposer.head.lm_head.weight.shape == (32000, 4096)
