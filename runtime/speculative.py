@@ -36,14 +36,9 @@ from compile_engine.runtime.engine_config import EngineConfigError
 from compile_engine.runtime.kv_cache_manager import KVCacheManager
 from compile_engine.runtime.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from compile_engine.runtime.request import Request
-from compile_engine.runtime.sampler import Sampler, SamplingBatch, exponential_race
 from compile_engine.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from compile_engine.runtime.speculative_config import SpeculativeConfig
-from compile_engine.runtime.speculative_heads import HeadProposer
-
-# Mixed into a seeded request's seed for its draft generator, so that the draft's draws are not
-# the same stream as the target's acceptance tests.
-_DRAFT_SEED_SALT = 0x5EED5EED
+from compile_engine.runtime.speculative_heads import DraftSampler, HeadProposer
 
 
 class NgramProposer:
@@ -99,7 +94,7 @@ class _DraftSequence:
     drafts: list[int] = field(default_factory=list)
 
 
-class DraftModelProposer:
+class DraftModelProposer(DraftSampler):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -111,13 +106,11 @@ class DraftModelProposer:
     ) -> None:
         """loaded: the draft model; runner: a ModelRunner over it and its own KV caches of
         num_blocks blocks (`allocate_kv_caches`)."""
+        super().__init__(device)
         self.loaded = loaded
         self.runner = runner
-        self.device = device
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.sequences: dict[str, _DraftSequence] = {}
-        self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # id -> [k, V] q of its drafts
 
     def release(self, request_id: str) -> None:
@@ -198,35 +191,6 @@ class DraftModelProposer:
             samples=True,
             new_token_ids=list(token_ids),
         )
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        generator = self.generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed((seed + request.sibling_index) ^ _DRAFT_SEED_SALT)
-            self.generators[request.request_id] = generator
-        return generator
-
-    def _choose(
-        self, logits: torch.Tensor, requests: list[Request]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each row's draft token [B] and, unless all are greedy, q [B, V] it was drawn from:
-        the request's own sampling parameters on the draft's logits."""
-        batch = SamplingBatch.build(
-            [r.sampling_params for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-            [self._generator(r) for r in requests],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        greedy_ids, probs = self.sampler.distribution(logits.float(), batch)
-        if probs is None:
-            return greedy_ids, None
-        return torch.where(batch.greedy, greedy_ids, exponential_race(probs, batch)), probs
 
     def _collect(
         self,

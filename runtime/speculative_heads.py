@@ -44,9 +44,6 @@ from compile_engine.runtime.request import Request
 from compile_engine.runtime.sampler import Sampler, SamplingBatch, exponential_race
 from compile_engine.runtime.scheduler import ScheduledRequest
 
-# Mixed into a seeded request's seed for its draft generator (as the draft model's proposer).
-_DRAFT_SEED_SALT = 0x5EED5EED
-
 
 @dataclass(slots=True, eq=False)
 class _HeadSequence:
@@ -87,7 +84,47 @@ def _metadata(
     return torch.from_numpy(positions).to(device, non_blocking=True), meta
 
 
-class HeadProposer:
+class DraftSampler:
+    """How a proposer draws its drafts: each request's own sampling parameters on the
+    draft's logits, seeded requests from a generator of their own (the request's seed salted,
+    so drafts do not replay the target's draws: the draft's draws and the target's acceptance
+    tests are not one stream). DraftModelProposer and HeadProposer share it."""
+
+    _DRAFT_SEED_SALT = 0x5EED5EED
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler()
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((seed + request.sibling_index) ^ self._DRAFT_SEED_SALT)
+            self.generators[request.request_id] = generator
+        return generator
+
+    def _choose(self, logits: Tensor, requests: list[Request]) -> tuple[Tensor, Tensor | None]:
+        """Each row's draft [B] and, unless all are greedy, q [B, V] it was drawn from."""
+        batch = SamplingBatch.build(
+            [r.sampling_params for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            [self._generator(r) for r in requests],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        greedy_ids, probs = self.sampler.distribution(logits.float(), batch)
+        if probs is None:
+            return greedy_ids, None
+        return torch.where(batch.greedy, greedy_ids, exponential_race(probs, batch)), probs
+
+
+class HeadProposer(DraftSampler):
     def __init__(
         self,
         head: LoadedModel,
@@ -110,11 +147,10 @@ class HeadProposer:
         self.embed, self.lm_head = embed, lm_head
         self.hidden_size = hidden_size
         self.dtype = head.dtype
-        self.block_size, self.device = block_size, device
+        super().__init__(device)
+        self.block_size = block_size
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.sequences: dict[str, _HeadSequence] = {}
-        self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler()
         self.draft_probs: dict[str, Tensor] = {}  # id -> [k, V] q of its drafts
 
     # -- the target's features -----------------------------------------------------------
@@ -291,32 +327,6 @@ class HeadProposer:
             if not request.sampling_params.greedy:
                 self.draft_probs[rid] = torch.stack([q_columns[j][p] for j, p in where[rid]])
         return drafted
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        generator = self.generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed((seed + request.sibling_index) ^ _DRAFT_SEED_SALT)
-            self.generators[request.request_id] = generator
-        return generator
-
-    def _choose(self, logits: Tensor, requests: list[Request]) -> tuple[Tensor, Tensor | None]:
-        """Each row's draft [B] and, unless all are greedy, q [B, V] it was drawn from."""
-        batch = SamplingBatch.build(
-            [r.sampling_params for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-            [self._generator(r) for r in requests],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        greedy_ids, probs = self.sampler.distribution(logits.float(), batch)
-        if probs is None:
-            return greedy_ids, None
-        return torch.where(batch.greedy, greedy_ids, exponential_race(probs, batch)), probs
 
     def release(self, request_id: str) -> None:
         sequence = self.sequences.pop(request_id, None)
