@@ -202,7 +202,10 @@ class PiecewiseBackend:
         fake_args = [
             fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs
         ]
-        _PieceCompiler(self, split, set(attention)).run(*fake_args)
+        # Under the fake mode, so that a piece's factory calls (the CPU decode attention's
+        # arange) make fake tensors too.
+        with fake_mode:
+            _PieceCompiler(self, split, set(attention)).run(*fake_args)
         self.stats.seconds = time.perf_counter() - start
         if self.before_first_run is not None:
             self.before_first_run()

@@ -24,6 +24,7 @@ from torch import nn
 from compile_engine.compiler.backend import PiecewiseBackend
 from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
 from compile_engine.kernels_generated.int_linear_cpu import Q8Logits
+from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_decode_cpu
 from compile_engine.models import vocabulary
 from compile_engine.models.layers import AttentionMetadata
 from compile_engine.models.quant import QuantEmbedding
@@ -77,8 +78,16 @@ def cacheable_references() -> dict[str, str]:
     code, every edit anywhere would recompile every piece of the shared development cache.)
     """
     salt = f"compile-engine:{references_hash()}"
-    return {f"{ref.__module__}.{ref.__name__}": salt for _, ref in vocabulary.OPS.values()}
+    marked = {f"{ref.__module__}.{ref.__name__}": salt for _, ref in vocabulary.OPS.values()}
+    # Kernel lowerings that are plain functions inlined into a graph (the CPU decode graph's
+    # attention), keyed by their own file.
+    for fn in INLINED_KERNELS:
+        source = Path(sys.modules[fn.__module__].__file__).read_bytes()
+        marked[f"{fn.__module__}.{fn.__name__}"] = hashlib.sha256(source).hexdigest()[:16]
+    return marked
 
+
+INLINED_KERNELS = (paged_attention_decode_cpu,)
 
 _copies = itertools.count()
 
@@ -119,6 +128,21 @@ def dummy_batch(
     return ids, positions, meta
 
 
+def dummy_decode_batch(
+    vocab_size: int, device: torch.device, num_seqs: int = 5
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A decode step (one new token a sequence) for the decode graph's capture: its dynamic
+    sizes (sequences, table width) distinct and >= 2, writing only to the scratch block 0."""
+    positions = torch.arange(4, 4 + num_seqs, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(num_seqs, 2, dtype=torch.int32, device=device),
+        seq_lens=(positions + 1).to(torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+    )
+    return torch.arange(num_seqs, device=device) % vocab_size, positions, meta
+
+
 class CompiledForward:
     """Drop-in replacement for `model.forward(input_ids, positions, kv_caches, meta)`."""
 
@@ -137,6 +161,21 @@ class CompiledForward:
             dynamic=False,
             options={"guard_filter_fn": _drop_all_guards},
         )
+        # On the CPU decode steps run a graph of their own in which attention is inlined
+        # (passes/paged_attention_cpu.py): one compiled call a step instead of 31 pieces and
+        # 30 eager attention calls, whose dispatch was ~40% of a batch-1 step (issue 29).
+        self._decode_fn = None
+        self.decode_backend: PiecewiseBackend | None = None
+        if config.target == "cpu":
+            ctx = PassContext(config.target, dtype, config.kernel, decode_only=True)
+            self.decode_backend = PiecewiseBackend(PassManager(select(config.passes), ctx))
+            self._decode_fn = torch.compile(
+                _own_code_object(model.forward),
+                backend=self.decode_backend,
+                fullgraph=True,
+                dynamic=False,
+                options={"guard_filter_fn": _drop_all_guards},
+            )
         self.capture_seconds = 0.0
         # A quantized tied lm_head (GGUF Q8_0) on the CPU: its GEMV compiled apart, since the
         # lm_head runs outside the graph (kernels_generated/int_linear_cpu.py says why).
@@ -194,6 +233,17 @@ class CompiledForward:
             dynamo_config.patch(no_gc),
         ):
             self._fn(ids, positions, kv_caches, meta)
+            if self._decode_fn is not None:
+                ids, positions, meta = dummy_decode_batch(self.model.config.vocab_size, device)
+                for t in (ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
+                    torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(meta.block_tables, 0)
+                torch._dynamo.mark_dynamic(meta.block_tables, 1)
+                # The pool's block count too: the graph holds the cache write, and an artifact
+                # built with one pool size serves another (its pieces never see the cache).
+                for cache in kv_caches:
+                    torch._dynamo.mark_dynamic(cache, 1)
+                self._decode_fn(ids, positions, kv_caches, meta)
             if self._logits is not None:
                 self._logits.warm(
                     self.model.config.hidden_size, self.model.model.embed_tokens.dtype
@@ -234,7 +284,8 @@ class CompiledForward:
 
     @property
     def recompilations(self) -> int:
-        return max(0, self.backend.stats.compilations - 1)
+        decode = self.decode_backend.stats.compilations if self.decode_backend else 1
+        return max(0, self.backend.stats.compilations - 1) + max(0, decode - 1)
 
     def __call__(
         self,
@@ -243,4 +294,8 @@ class CompiledForward:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        # Every scheduled sequence has >= 1 new token, so as many tokens as sequences is a
+        # decode step: a shape test, no host read.
+        if self._decode_fn is not None and input_ids.shape[0] == meta.seq_lens.shape[0]:
+            return self._decode_fn(input_ids, positions, kv_caches, meta)
         return self._fn(input_ids, positions, kv_caches, meta)

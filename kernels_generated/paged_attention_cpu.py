@@ -62,6 +62,43 @@ def paged_attention_cpu_impl(
     return out.squeeze(2)  # [T, Hq, D]
 
 
+def paged_attention_decode_cpu(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    config_key: str,
+) -> Tensor:
+    """The decode step's attention with no host read, traceable into the graph: the CPU's
+    decode graph (compiler/compiled_model.py) inlines it, so a decode step is one compiled
+    graph, not 31 pieces with 30 eager attention calls between them. Valid only when every
+    sequence has exactly one new token (T == B); the context is the block table's whole width
+    (the widest sequence's blocks, as the runner sizes it), masked by seq_lens, so the numbers
+    are `paged_attention_cpu_impl`'s: the same keys reach softmax, the rest weigh zero."""
+    _, num_blocks, block_size, heads_kv, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads_kv, head_dim)
+    flat[:, slot_mapping] = torch.stack([k, v]).to(kv_cache.dtype)  # [2, T, Hkv, D]
+    width = block_tables.shape[1] * block_size
+    context = kv_cache[:, block_tables]  # [2, B, nb, bs, Hkv, D]
+    context = context.flatten(2, 3).transpose(2, 3).to(q.dtype)  # [2, B, Hkv, L, D]
+    positions = torch.arange(width, device=q.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        context[0],
+        context[1],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)  # [T, Hq, D]
+
+
 # Registered through torch.library.Library with a CPU kernel, not `custom_op`: the latter's
 # Python wrapper costs ~70 us a call here (a 50 us call became 120: 2 ms of a 30-layer step).
 _LIB = torch.library.Library("ce_kernels", "FRAGMENT")

@@ -31,6 +31,9 @@ class PassContext:
     target: str  # "cpu" | "h100"
     dtype: torch.dtype
     kernel: KernelConfig = field(default_factory=tuning.default)
+    # The graph runs only steps in which every sequence has one new token (the CPU's decode
+    # graph, compiler/compiled_model.py): an attention pass may lower to a decode-only form.
+    decode_only: bool = False
 
 
 class GraphPass:

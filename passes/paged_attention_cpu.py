@@ -28,9 +28,17 @@ class PagedAttentionCpu(GraphPass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         import torch
 
-        import compile_engine.kernels_generated.paged_attention_cpu  # noqa: F401  (registers)
+        from compile_engine.kernels_generated.paged_attention_cpu import (  # registers
+            paged_attention_decode_cpu,
+        )
 
-        kernel = torch.ops.ce_kernels.paged_attention_cpu.default
+        # A decode graph inlines the attention (a plain function AOTAutograd traces into ATen
+        # ops): no split, the whole step one piece. Else the op, a split point.
+        kernel = (
+            paged_attention_decode_cpu
+            if ctx.decode_only
+            else torch.ops.ce_kernels.paged_attention_cpu.default
+        )
         nodes = op_nodes(graph, "paged_attention")
         for node in nodes:
             lower(node, kernel, ctx)

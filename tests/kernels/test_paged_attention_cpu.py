@@ -1,12 +1,17 @@
 """The CPU decode fast path of paged attention against the reference (models/ops.py): decode
-steps of one and several sequences, and a mixed step (which runs the reference itself)."""
+steps of one and several sequences, and a mixed step (which runs the reference itself); the
+decode graph's traceable form on decode steps, eager and compiled by Inductor (whose cache
+write must land in the cache passed in)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_cpu_impl
+from compile_engine.kernels_generated.paged_attention_cpu import (
+    paged_attention_cpu_impl,
+    paged_attention_decode_cpu,
+)
 from compile_engine.models.ops import paged_attention_ref
 
 BLOCK, HQ, HKV, D, BLOCKS = 16, 6, 2, 32, 24
@@ -44,3 +49,26 @@ def test_equals_reference(q_lens, ctx, dtype) -> None:
     assert torch.equal(cache, want_cache)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [[37], [16], [5, 40, 17]])
+def test_decode_form_equals_reference(ctx, dtype) -> None:
+    q, k, v, cache, slots, tables, lens, starts = batch([1] * len(ctx), ctx, dtype)
+    want_cache = cache.clone()
+    want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
+    ours = paged_attention_decode_cpu(q, k, v, cache, slots, tables, lens, starts, 0.125, "")
+    assert torch.equal(cache, want_cache)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours, want, rtol=tol, atol=tol)
+
+
+def test_decode_form_compiled() -> None:
+    compiled = torch.compile(paged_attention_decode_cpu, dynamic=True, fullgraph=True)
+    for ctx in ([5, 40, 17], [33, 2]):
+        q, k, v, cache, slots, tables, lens, starts = batch([1] * len(ctx), ctx, torch.float32)
+        want_cache = cache.clone()
+        want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
+        ours = compiled(q, k, v, cache, slots, tables, lens, starts, 0.125, "")
+        assert torch.equal(cache, want_cache)
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
