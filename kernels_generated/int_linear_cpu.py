@@ -39,9 +39,12 @@ def int4pack_linear(
     bias: Tensor | None,
     scheme: str,
 ) -> Tensor:
-    """quant_linear over a 4-bit weight in the int4pack_cpu layout. x [T, K] bfloat16."""
+    """quant_linear over a 4-bit weight in the int4pack_cpu layout. x [T, K], computed in
+    the scales' dtype (bfloat16) and returned in x's."""
     group = QuantScheme.parse(scheme).group
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group, weight_scale)  # [T, N]
+    xq = x.to(weight_scale.dtype)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, weight, group, weight_scale)  # [T, N]
+    out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out

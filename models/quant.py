@@ -66,6 +66,10 @@ INT_BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "uint4_zp": 4, "uint8_
 WEIGHTS = ("fp8_e4m3", *INT_WEIGHTS)
 GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF Q6_K's sub-blocks
 LAYOUTS = ("plain", "int4pack_cpu")
+# What ATen's CPU int4 GEMM computes in (its input, scales and output): its fast path; float16
+# and float32 inputs take scalar loops 30-60x slower (kernels_generated/int_linear_cpu.py). A
+# float32 model casts around it (issue 29: the residual stream in float32).
+INT4PACK_DTYPE = torch.bfloat16
 # ATen's CPU int4 layout packs rows in blocks of this many.
 INT4PACK_BLOCK_N = 64
 
@@ -313,7 +317,9 @@ def quant_linear_ref(
         w = dequantize_int_ref(weight, weight_scale, parsed)  # [N, K]
     else:
         w = weight.float() * expand_scale(weight_scale, tuple(weight.shape), parsed)  # [N, K]
-    if parsed.activation == "none":
+    if parsed.layout == "int4pack_cpu":  # the kernel's rounding: its input in bfloat16
+        xf = x.to(INT4PACK_DTYPE).float()
+    elif parsed.activation == "none":
         xf = x.float()
     else:
         static = input_scale if parsed.activation == "tensor" else None
@@ -322,6 +328,8 @@ def quant_linear_ref(
     out = xf @ w.t()  # [..., N]
     if bias is not None:
         out = out + bias.float()
+    if parsed.layout == "int4pack_cpu":  # and its output
+        out = out.to(INT4PACK_DTYPE)
     return out.to(x.dtype)
 
 
@@ -448,8 +456,8 @@ class QuantLinear(nn.Module):
             torch.empty(scheme.weight_shape(out_features, in_features), dtype=scheme.weight_dtype),
             requires_grad=False,
         )
-        # int4pack_cpu's scales feed ATen's kernel, which takes them in the activation's dtype.
-        scale_dtype = dtype if scheme.layout == "int4pack_cpu" else torch.float32
+        # int4pack_cpu's scales feed ATen's kernel, which takes them in its input's dtype.
+        scale_dtype = INT4PACK_DTYPE if scheme.layout == "int4pack_cpu" else torch.float32
         scale = torch.empty(scheme.scale_shape(out_features, in_features), dtype=scale_dtype)
         if online:
             self.register_buffer(scale_name, scale)

@@ -15,18 +15,21 @@ from compile_engine.models.quant import QuantScheme, pack_int4, quant_linear_ref
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4pack_linear_equals_reference(group: int, rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4pack_linear_equals_reference(
+    group: int, rows: int, bias: bool, dtype: torch.dtype
+) -> None:
     g = torch.Generator().manual_seed(group + rows)
     n, k = 192, 256
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scale = (torch.rand(k // group, n, 2, generator=g) * 0.05).bfloat16()
     scheme = str(QuantScheme("group", "none", weight="uint4", group=group, layout="int4pack_cpu"))
     weight = pack_int4(codes, "int4pack_cpu")
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=g).to(dtype)  # float32: a float32 model's, cast inside
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     ours = int4pack_linear(x, weight, scale, None, b, scheme)
     want = quant_linear_ref(x, weight, scale, None, b, scheme)
-    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    assert ours.dtype == dtype and ours.shape == (rows, n)
     # both accumulate in float32; the outputs differ by at most a bfloat16 rounding or two
     tol = 2 * 2**-8 * want.float().abs().amax(dim=-1, keepdim=True) + 1e-3
     assert ((ours.float() - want.float()).abs() <= tol).all()
