@@ -12,6 +12,8 @@ phases count only this thread's wait for it (`weights_wait_s`).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import logging
 import time
@@ -293,6 +295,8 @@ class _Start:
         mark = time.perf_counter()
         gc.collect()
         gc.freeze()
+        if torch.device(device).type == "cpu":
+            _return_freed_memory()
         self.phase("gc_s", mark)
         self.timings["ready_s"] = time.perf_counter() - self.t0
         log.info(
@@ -536,6 +540,14 @@ def check_parallel_matches(manifest: Manifest, artifact: Path, config: EngineCon
         f"{', expert parallel' if wanted[1] else ''}; serve it with the settings it was built "
         f"for, or {hint} --tensor-parallel-size {wanted[0]}{flags} --out {artifact}"
     )
+
+
+def _return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim): start-up's
+    temporaries (the GGUF read and repack, Inductor's compiles) leave ~60 MB free but resident
+    in the heap and the reading thread's arena (SmolLM2 on the CPU: 982 -> 921 MB)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _graphs_possible(config: EngineConfig, compiled: CompiledForward) -> bool:
