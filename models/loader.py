@@ -415,9 +415,9 @@ def gguf_quantization(
 ) -> QuantConfig | None:
     """How a GGUF file runs: kept quantized (its projections int4/int8 quant_linears in
     ATen's CPU int4 layout, its Q8_0 embedding a QuantEmbedding) on a CPU that multiplies
-    bfloat16, the default there (dtype "auto"; issue 29, docs/compiler.md); None, dequantized, for an
-    explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on CUDA (no GPU int4 kernel
-    yet), on a CPU without bfloat16 (the ATen kernel's float32 path is 30x slower) and with
+    bfloat16, the default there (dtype "auto"; issue 29, docs/compiler.md); None, dequantized,
+    for an explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on CUDA (no GPU int4
+    kernel yet), on a CPU without bfloat16 (the ATen kernel's float32 path is 30x slower) and with
     quantization="fp8" (online FP8 of the dequantized weights)."""
     from compile_engine.models.gguf import QUANTIZED_TYPES
 
