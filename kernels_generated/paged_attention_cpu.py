@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compile_engine.models.ops import KV_FP8_DTYPE, paged_attention_fake, paged_attention_ref
+from compile_engine.models.ops import (
+    KV_FP8_DTYPE,
+    dequantize_kv,
+    paged_attention_fake,
+    paged_attention_ref,
+    quantize_kv,
+)
 
 
 def paged_attention_cpu_impl(
@@ -72,6 +78,8 @@ def paged_attention_decode_cpu(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
     config_key: str,
 ) -> Tensor:
     """The decode step's attention with no host read, traceable into the graph: the CPU's
@@ -82,16 +90,23 @@ def paged_attention_decode_cpu(
     are `paged_attention_cpu_impl`'s: the same keys reach softmax, the rest weigh zero."""
     _, num_blocks, block_size, heads_kv, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads_kv, head_dim)
-    flat[:, slot_mapping] = torch.stack([k, v]).to(kv_cache.dtype)  # [2, T, Hkv, D]
+    new = torch.stack(
+        [quantize_kv(k, k_scale, kv_cache.dtype), quantize_kv(v, v_scale, kv_cache.dtype)]
+    )  # [2, T, Hkv, D]
+    if kv_cache.dtype == KV_FP8_DTYPE:  # no float8 index_put on the CPU: write the bytes
+        flat.view(torch.uint8)[:, slot_mapping] = new.view(torch.uint8)
+    else:
+        flat[:, slot_mapping] = new
     width = block_tables.shape[1] * block_size
-    context = kv_cache[:, block_tables]  # [2, B, nb, bs, Hkv, D]
-    context = context.flatten(2, 3).transpose(2, 3).to(q.dtype)  # [2, B, Hkv, L, D]
+    context = kv_cache[:, block_tables].flatten(2, 3).transpose(2, 3)  # [2, B, Hkv, L, D]
+    keys = dequantize_kv(context[0], k_scale, q.dtype)
+    values = dequantize_kv(context[1], v_scale, q.dtype)
     positions = torch.arange(width, device=q.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, Hq, 1, D]
-        context[0],
-        context[1],
+        keys,
+        values,
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,

@@ -212,10 +212,7 @@ def allocate_kv_caches(
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
     nbytes = math.prod(shape) * dtype.itemsize
-    return [
-        torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
-        for _ in range(layers)
-    ]
+    return [torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape) for _ in range(layers)]
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:

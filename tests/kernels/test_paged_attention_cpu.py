@@ -57,7 +57,9 @@ def test_decode_form_equals_reference(ctx, dtype) -> None:
     q, k, v, cache, slots, tables, lens, starts = batch([1] * len(ctx), ctx, dtype)
     want_cache = cache.clone()
     want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
-    ours = paged_attention_decode_cpu(q, k, v, cache, slots, tables, lens, starts, 0.125, "")
+    ours = paged_attention_decode_cpu(
+        q, k, v, cache, slots, tables, lens, starts, 0.125, None, None, ""
+    )
     assert torch.equal(cache, want_cache)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours, want, rtol=tol, atol=tol)
@@ -69,6 +71,6 @@ def test_decode_form_compiled() -> None:
         q, k, v, cache, slots, tables, lens, starts = batch([1] * len(ctx), ctx, torch.float32)
         want_cache = cache.clone()
         want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
-        ours = compiled(q, k, v, cache, slots, tables, lens, starts, 0.125, "")
+        ours = compiled(q, k, v, cache, slots, tables, lens, starts, 0.125, None, None, "")
         assert torch.equal(cache, want_cache)
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
