@@ -17,7 +17,7 @@ at() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 ([ -d /tmp/l3 ] || timeout 150 python3 -m compile_engine.benchmarks make-model llama3-8b \
   --out /tmp/l3 --device cuda 2>&1 | tail -1) > $OUT/make-model.log 2>&1 &
 MAKER=$!
-timeout 120 python3 -m pytest tests/gpu/test_fp8_kv_cache.py -q -p no:cacheprovider \
+timeout 120 python3 -m pytest tests/gpu/test_fp8_kv_cache_gpu.py -q -p no:cacheprovider \
   --maxfail=6 2>&1 | tee $OUT/tests-fp8kv.log | tail -15
 at "fp8 kv tests"
 # A subset of the bf16-cache kernel tests: the kernels' new constexpr branch is off for them.
