@@ -233,6 +233,10 @@ class CompiledForward:
             dynamo_config.patch(no_gc),
         ):
             self._fn(ids, positions, kv_caches, meta)
+            if not self.pass_manager.match_counts.get("paged_attention_cpu"):
+                # Attention other than paged_attention (MLA's latent ops): no decode form to
+                # inline, so the decode graph would only repeat the pieces.
+                self._decode_fn, self.decode_backend = None, None
             if self._decode_fn is not None:
                 ids, positions, meta = dummy_decode_batch(self.model.config.vocab_size, device)
                 for t in (ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):

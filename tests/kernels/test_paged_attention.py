@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 from compile_engine.benchmarks import attention_inputs as ai
 from compile_engine.kernels_generated import paged_attention as pa
@@ -631,38 +630,3 @@ def test_compare_outputs_fails_on_a_cache_or_output_off_the_reference():
     ai.compare_outputs(expected + 1e-2, expected, (cache, cache.clone()), "kv_cache", atol=0.1)
     with pytest.raises(AssertionError, match="latent cache after the kernel differs"):
         ai.compare_outputs(expected, expected, (cache, cache + 1), "latent cache")
-
-
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_tiled_kernel_compiles_for_sm90(num_splits: int):
-    # The interpreter type-checks nothing: an offline sm_90 compile (Triton's own ptxas, no GPU)
-    # catches what only the GPU's compiler refuses, e.g. a split-only branch compiled for one
-    # pass, where the workspace pointers are the bf16 output's.
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from compile_engine.kernels_generated.paged_attention.kernels import (
-        _paged_attention_tiled_kernel as kernel,
-    )
-
-    if pa.INTERPRETED:
-        pytest.skip("the interpreter wraps the kernel: compile in the parent")
-    ws = "*fp32" if num_splits > 1 else "*bf16"  # one pass: the launch passes `out` for them
-    pointers = dict.fromkeys(["q_ptr", "k_new_ptr", "v_new_ptr", "k_cache_ptr", "v_cache_ptr",
-                              "out_ptr"], "*bf16")  # fmt: skip
-    pointers.update(m_ws_ptr=ws, l_ws_ptr=ws, acc_ws_ptr=ws, slot_mapping_ptr="*i64")
-    pointers.update(counters_ptr="*i32" if num_splits > 1 else "*bf16", k_scale_ptr="*fp32")
-    pointers.update(v_scale_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32")
-    pointers.update(query_start_loc_ptr="*i32", qk_scale="fp32")
-    constants = dict(GROUP=4, GROUP_P2=4, BLOCK_M=16, HEAD_DIM=128, KV_BLOCK_SIZE=16, BLOCK_N=32,
-                     COMPUTE_F32=False, DOT_PRECISION="ieee", FP8_KV=False, NUM_SPLITS=num_splits,
-                     MIN_SPLIT_KEYS=256)  # fmt: skip
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-    )
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "cubin" in compiled.asm

@@ -77,6 +77,7 @@ def test_gpu_memory_utilization_bounds_the_whole_process_as_vllm(monkeypatch):
     per_block = 1 << 20
     loaded = types.SimpleNamespace(
         dtype=torch.float16,
+        cache_dtype=torch.float16,
         config=types.SimpleNamespace(num_layers=1),
         model=types.SimpleNamespace(kv_cache_shape=lambda blocks, size: (per_block // 2,)),
     )
