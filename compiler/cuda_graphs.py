@@ -164,6 +164,11 @@ class CUDAGraphRunner:
         if self.prefill_rows and kernel_config is None:
             raise ValueError("prefill graphs need the kernel config whose choice they follow")
         self.kernel_config = kernel_config
+        self._choose_tiled = None  # paged attention's choice, imported once (not a step)
+        if self.prefill_rows:
+            from compile_engine.kernels_generated.paged_attention import choose_tiled
+
+            self._choose_tiled = choose_tiled
         self.max_num_seqs = max_num_seqs
         max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -308,11 +313,9 @@ class CUDAGraphRunner:
 
     def _key(self, size: int, num_tokens: int, num_seqs: int, width: int) -> GraphKey:
         rows = self.prefill_rows.get(size)
-        if rows is not None and num_seqs <= rows:
-            from compile_engine.kernels_generated.paged_attention import choose_tiled
-
-            if choose_tiled(self.kernel_config, num_tokens, num_seqs):
-                return (size, None, rows)
+        tiled = rows is not None and num_seqs <= rows
+        if tiled and self._choose_tiled(self.kernel_config, num_tokens, num_seqs):
+            return (size, None, rows)
         short = self.short_widths.get(size)
         return (size, short if short is not None and width <= short else None, None)
 
