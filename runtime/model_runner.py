@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner
-from compile_engine.models.layers import AttentionMetadata
+from compile_engine.models.layers import AttentionMetadata, RotaryEmbedding
 from compile_engine.models.loader import LoadedModel
 from compile_engine.runtime.prompt_logprobs import scored_span
 from compile_engine.runtime.rejection_sampler import rejection_sample
@@ -221,10 +221,11 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return loaded.config.num_layers * per_layer * element
 
 
-@torch.inference_mode()
-def profile_activation_bytes(loaded: LoadedModel, num_tokens: int, num_rows: int) -> int:
-    """Peak memory of one eager forward of `num_tokens` tokens plus sampling `num_rows` rows:
-    what the KV pool must leave free for activations (and, below, for CUDA graphs)."""
+def profile_inputs(loaded: LoadedModel, num_tokens: int) -> tuple:
+    """(ids, positions, kv caches, metadata) of the profile's step: one sequence of
+    `num_tokens` prompt tokens in a pool just large enough. A step that large holds several
+    sequences, none past the model's rotary table, so the positions wrap at the table's length
+    (a step of more tokens than the table: an index past it is a device-side assert on CUDA)."""
     cfg, device = loaded.config, next(loaded.model.parameters()).device
     block_size = 16
     blocks = -(-num_tokens // block_size) + 1
@@ -238,11 +239,21 @@ def profile_activation_bytes(loaded: LoadedModel, num_tokens: int, num_rows: int
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
     )
+    tables = [m.max_positions for m in loaded.model.modules() if isinstance(m, RotaryEmbedding)]
+    positions = torch.arange(num_tokens, device=device) % min(tables, default=num_tokens)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    return ids, positions, kv, meta
+
+
+@torch.inference_mode()
+def profile_activation_bytes(loaded: LoadedModel, num_tokens: int, num_rows: int) -> int:
+    """Peak memory of one eager forward of `num_tokens` tokens plus sampling `num_rows` rows:
+    what the KV pool must leave free for activations (and, below, for CUDA graphs)."""
+    ids, positions, kv, meta = profile_inputs(loaded, num_tokens)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    hidden = loaded.model(ids, torch.arange(num_tokens, device=device), kv, meta)
+    hidden = loaded.model(ids, positions, kv, meta)
     logits = loaded.model.compute_logits(hidden[: min(num_rows, num_tokens)]).float()
     torch.softmax(logits, dim=-1)
     torch.cuda.synchronize()

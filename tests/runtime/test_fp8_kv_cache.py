@@ -34,6 +34,7 @@ from compile_engine.runtime.model_runner import (
     allocate_kv_caches,
     default_num_blocks,
     kv_bytes_per_block,
+    profile_inputs,
 )
 
 from paged_harness import PagedHarness, run_schedule
@@ -81,6 +82,20 @@ def test_the_pool_holds_fp8_blocks_twice_as_many_in_the_same_memory(tiny):
     caches = allocate_kv_caches(fp8, 6, 16, cpu)
     assert len(caches) == fp8.config.num_layers
     assert all(c.dtype == KV_FP8_DTYPE and c.shape[1] == 6 for c in caches)
+
+
+def test_the_activation_profile_step_stays_inside_the_rotary_table(tiny):
+    """The pool is sized after an eager forward of the largest step (max_num_batched_tokens,
+    past max_position_embeddings here); its positions must stay inside the rotary table. On
+    CUDA an index past it was a device-side assert (seen in the FP8-cache engine's start)."""
+    loaded = load_model(tiny, dtype="bfloat16", kv_cache_dtype="fp8")
+    table = loaded.config.max_position_embeddings
+    ids, positions, kv, meta = profile_inputs(loaded, 2 * table + 5)
+    assert int(positions.max()) == table - 1 and positions.numel() == 2 * table + 5
+    with torch.inference_mode():
+        hidden = loaded.model(ids, positions, kv, meta)
+    assert hidden.shape[0] == 2 * table + 5 and torch.isfinite(hidden.float()).all()
+    assert all(c.dtype == KV_FP8_DTYPE for c in kv)
 
 
 def _with_kv_scales(source: Path, out: Path, names: dict[str, float]) -> Path:
