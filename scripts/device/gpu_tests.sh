@@ -4,7 +4,7 @@
 # graph tests, speculative decoding, the integer weight-only kernels. A table of each group's
 # outcome last; the logs come back as one archive.
 #   device call: carry [".whl"], command `bash scripts/device/gpu_tests.sh <commit>`
-#   GROUPS="a b" picks groups; BUDGET_S bounds each group (default 420).
+#   TEST_GROUPS="a b" picks groups; BUDGET_S bounds each group (default 420).
 source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=${1:-unknown}
 T0=$(date +%s)
@@ -18,7 +18,7 @@ declare -A TESTS=(
   [b]="tests/gpu/test_speculative_gpu.py tests/gpu/test_speculative_heads_gpu.py"
   [c]="tests/kernels/test_int_linear.py tests/passes/test_quantized_gemm_pass.py tests/models/test_quant_int.py -m gpu"
 )
-for g in ${GROUPS:-a b c}; do group $g ${TESTS[$g]} & done
+for g in ${TEST_GROUPS:-a b c}; do group $g ${TESTS[$g]} & done
 wait
 for f in $OUT/*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|Error|assert" $f | head -8; done
 tar czf $OUT/logs.tgz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log
