@@ -56,6 +56,8 @@ _ALIGN_CHUNK = 64
 # microseconds per chunk it stays below the GEMMs' time up to here; beyond, the torch reference
 # (sort + scatter, many programs) is faster.
 _ALIGN_ONE_PROGRAM_SLOTS = 4096
+# Hopper's shared memory a program (227 KiB opt-in on H100 / H200).
+SHARED_MEMORY_BYTES = 232448
 
 
 class MoEKernelError(RuntimeError):
@@ -326,9 +328,21 @@ def moe_gemm_triton(
             BLOCK_K=tiles["BLOCK_K"],
             GROUP_M=tiles.get("GROUP_M", 8),
             num_warps=tiles.get("num_warps", 4),
-            num_stages=tiles.get("num_stages", 2),
+            num_stages=fit_stages(tiles, block_m, a.element_size(), silu),
         )
     return out
+
+
+def fit_stages(tiles: dict, block_m: int, element_size: int, silu: bool) -> int:
+    """The tiles' pipeline depth cut to what fits in a program's shared memory. The table is
+    tuned in bf16; a float32 model's tiles take twice the bytes (128 x 128 gate and up tiles
+    at 3 stages asked for 272 KiB on the H200). Triton keeps stages - 1 tiles of A and of each
+    weight in flight: that is what must fit."""
+    per_stage = (block_m + (2 if silu else 1) * tiles["BLOCK_N"]) * tiles["BLOCK_K"] * element_size
+    stages = tiles.get("num_stages", 2)
+    while stages > 1 and (stages - 1) * per_stage > SHARED_MEMORY_BYTES:
+        stages -= 1
+    return stages
 
 
 def fused_experts(

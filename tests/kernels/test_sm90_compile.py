@@ -64,3 +64,36 @@ def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool):
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in compiled.asm
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_moe_gemm_stages_fit_shared_memory_for_sm90(dtype: str):
+    """The MoE table's largest gate+up tiles (tuned in bf16) at the stages `fit_stages` leaves
+    compile within Hopper's shared memory in float32 too (3 stages asked 272 KiB there)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from compile_engine.kernels_generated.moe_grouped_gemm import (
+        SHARED_MEMORY_BYTES,
+        fit_stages,
+    )
+    from compile_engine.kernels_generated.moe_grouped_gemm import _moe_gemm_kernel as kernel
+
+    tiles = {"BLOCK_N": 128, "BLOCK_K": 128, "num_stages": 3}
+    stages = fit_stages(tiles, 16, 4 if dtype == "fp32" else 2, silu=True)
+    assert stages == (2 if dtype == "fp32" else 3)
+    pointers = dict(a_ptr=f"*{dtype}", w_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
+                    weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32")  # fmt: skip
+    constants = dict(ROWS_PER_TOKEN=8, SILU=True, MUL_WEIGHTS=False, COMPUTE_F32=False,
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=16,
+                     BLOCK_N=128, BLOCK_K=128, GROUP_M=8)  # fmt: skip
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+    )
+    options = {"num_warps": 8, "num_stages": stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.metadata.shared <= SHARED_MEMORY_BYTES
