@@ -2,8 +2,9 @@
 paged-attention kernels at Llama-3-8B's heads over a float8_e4m3fn cache (decode single-pass and
 split-KV, the tiled prefill variant, the fused rotary, a CUDA-graph replay) write the cache the
 reference writes, bit for bit, and match its output; a compiled engine with CUDA graphs and
-kv_cache_dtype "fp8" decodes greedily as its bf16-cache twin does, with twice the blocks in the
-same memory. The CPU cases (interpreted) are in tests/kernels/test_paged_attention.py."""
+kv_cache_dtype "fp8" decodes greedily as the reference ops over an FP8 cache do, with twice
+the blocks in the same memory. The CPU cases (interpreted) are in
+tests/kernels/test_paged_attention.py."""
 
 from __future__ import annotations
 
@@ -73,22 +74,28 @@ def test_engine_with_an_fp8_cache_and_cuda_graphs(tmp_path):
     from compile_engine import LLM, SamplingParams
     from compile_engine.runtime.model_runner import kv_bytes_per_block
 
-    from oracle import mixed_prompts
+    from oracle import assert_greedy_near_ties, mixed_prompts
 
     model = make_tiny_llama(tmp_path / "llama", dtype=torch.bfloat16)
     settings = dict(target="h100", dtype="bfloat16", max_num_seqs=16, max_model_len=256)
     prompts = mixed_prompts(96, seed=1)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(str(model), **settings)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     block_bytes = kv_bytes_per_block(plain.engine.loaded, 16)
     del plain
+    # The oracle: the reference ops over an FP8 cache (quantize on write, dequantize on read),
+    # eager on the same GPU. Against the bf16 cache no bar is meaningful: with these random
+    # weights the cache's rounding alone flips ~20% of greedy tokens (measured on the CPU's
+    # reference, 133 of 168 equal), at near-ties of a few thousandths of a nat.
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=4)
+    reference = LLM(str(model), kv_cache_dtype="fp8", enforce_eager=True, **settings)
+    want = [o.outputs[0] for o in reference.generate(prompts, params)]
+    del reference
     torch.cuda.empty_cache()
     llm = LLM(str(model), kv_cache_dtype="fp8", **settings)
     assert llm.engine.runner.graphs is not None, "no CUDA graphs were captured"
     assert all(c.dtype == FP8 for c in llm.engine.runner.kv_caches)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    assert same >= 0.9 * sum(len(w) for w in want), (got, want)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert_greedy_near_ties(got, want, max_gap=0.02, min_equal=0.75)
     # A block takes half the bytes (tests/runtime/test_fp8_kv_cache.py: twice the blocks).
     assert 2 * kv_bytes_per_block(llm.engine.loaded, 16) == block_bytes

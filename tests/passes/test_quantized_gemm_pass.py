@@ -13,6 +13,7 @@ from compile_engine.models.quant import quant_linear_ref
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.registry import select
 
+from oracle import assert_greedy_near_ties
 from pass_kit import apply_pass, assert_numerics_unchanged, capture_graph, count_matches, targets_of
 
 LAYERS, LINEARS = 2, 4  # the tiny Llama: qkv_proj, o_proj, gate_up_proj, down_proj a layer
@@ -74,10 +75,10 @@ def test_numerics_unchanged_on_cpu(fp8_dir):
     assert result["matches"] == LINEARS * LAYERS
 
 
-def _greedy(llm) -> list[list[int]]:
+def _greedy(llm, max_tokens: int = 6) -> list[list[int]]:
     from compile_engine import SamplingParams
 
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
@@ -103,14 +104,22 @@ def test_h100_engine_agrees_with_the_reference(tmp_path, layout):
     else:
         model, quantization = write_fp8(src, tmp_path, layout)[0], None
     kwargs = dict(dtype="bfloat16", num_kv_blocks=64, quantization=quantization)
-    eager = _greedy(LLM(str(model), target="h100", enforce_eager=True, **kwargs))
+    eager = LLM(str(model), target="h100", enforce_eager=True, **kwargs)  # the reference ops
     graphed = LLM(str(model), target="h100", max_num_seqs=4, max_num_batched_tokens=64, **kwargs)
     assert graphed.engine.compiled.pass_manager.match_counts["quantized_gemm"] == 8
-    tokens = _greedy(graphed)
-    same = sum(
-        a == b for x, y in zip(tokens, eager, strict=True) for a, b in zip(x, y, strict=True)
-    )
-    assert same >= 0.9 * sum(map(len, eager)), (tokens, eager)
+    _assert_follows(graphed, eager)
+
+
+def _assert_follows(llm, reference) -> None:
+    """llm's greedy tokens follow the reference engine's but where it nearly tied (random
+    weights: logits within hundredths of a nat; another kernel's accumulation order flips
+    those), and most of them equal."""
+    from compile_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=4)
+    want = [o.outputs[0] for o in reference.generate(PROMPTS, params)]
+    tokens = _greedy(llm, max_tokens=16)
+    assert_greedy_near_ties(tokens, want, max_gap=0.02, min_equal=0.5)
 
 
 # --------------------------------------------------------------------------- integer weights
@@ -155,11 +164,7 @@ def test_h100_integer_engine_agrees_with_the_reference(tmp_path, layout):
 
     model = make_model("tiny-llama", tmp_path / layout, quantize=layout)
     kwargs = dict(dtype="bfloat16", num_kv_blocks=64)
-    eager = _greedy(LLM(str(model), target="h100", enforce_eager=True, **kwargs))
+    eager = LLM(str(model), target="h100", enforce_eager=True, **kwargs)
     graphed = LLM(str(model), target="h100", max_num_seqs=4, max_num_batched_tokens=64, **kwargs)
     assert graphed.engine.compiled.pass_manager.match_counts["quantized_gemm"] == 8
-    tokens = _greedy(graphed)
-    same = sum(
-        a == b for x, y in zip(tokens, eager, strict=True) for a, b in zip(x, y, strict=True)
-    )
-    assert same >= 0.9 * sum(map(len, eager)), (tokens, eager)
+    _assert_follows(graphed, eager)
