@@ -76,6 +76,10 @@ COMMANDS = {
         "compile_engine.benchmarks.fp8_gemm",
         "the FP8 skinny GEMM's config sweep, and _scaled_mm above 16 rows",
     ),
+    "int-gemm": (
+        "compile_engine.benchmarks.int_gemm",
+        "the integer weight-only GEMM's config sweep (int4 / int8, groups of 128)",
+    ),
     "quant-accuracy": (
         "compile_engine.benchmarks.quant_accuracy",
         "a quantized model's perplexity and top-1 agreement vs its dtype",
