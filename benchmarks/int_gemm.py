@@ -55,7 +55,7 @@ def candidates(rows: int) -> list[dict]:
                                     num_warps=warps, num_stages=stages,
                                     programs_per_sm=pps))  # fmt: skip
         fma, dot = [c for c in out if c["mode"] == "fma"], [c for c in out if c["mode"] == "dot"]
-        mixed = [c for pair in zip(fma, dot) for c in pair]
+        mixed = [c for pair in zip(fma, dot, strict=False) for c in pair]
         return mixed + fma[len(mixed) // 2 :] + dot[len(mixed) // 2 :]
     for bm, bn in ((16, 128), (32, 128), (64, 128), (64, 64)):
         for warps, stages in ((4, 3), (8, 3), (4, 4)):
