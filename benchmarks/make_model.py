@@ -278,8 +278,13 @@ def make_model(
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
     quantize: str | None = None,
+    constant_logits: bool = False,
 ) -> Path:
-    """Write the model directory and return it; `quantize` names an FP8 checkpoint layout."""
+    """Write the model directory and return it; `quantize` names an FP8 checkpoint layout.
+    `constant_logits` zeroes the final norm: every position's logits are exactly 0, so greedy
+    decoding emits token 0 whatever the kernels' rounding (random weights' near-flat logits
+    otherwise flip with the step's shape, and `bench speculative --replay`'s recorded
+    continuation stops being the target's). Every GEMM and attention runs as before."""
     from safetensors.torch import save_file
 
     config = hf_config(preset, layers)
@@ -318,6 +323,8 @@ def make_model(
             tensors.update(
                 _checkpoint_tensors(name, s, torch_dtype, device, gen, packing or quantize)
             )
+            if constant_logits and name == "model.norm.weight":
+                tensors[name].zero_()
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = file
@@ -501,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="write an FP8 or integer (GPTQ / AWQ / pack-quantized) checkpoint in this layout "
         "(module docstring)",
     )
+    p.add_argument(
+        "--constant-logits",
+        action="store_true",
+        help="zero the final norm: logits all 0, greedy emits token 0 at any rounding (for "
+        "bench speculative --replay)",
+    )
     return p
 
 
@@ -526,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         seed=args.seed,
         quantize=args.quantize,
+        constant_logits=args.constant_logits,
     )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")

@@ -58,6 +58,27 @@ def test_make_model_writes_sharded_hf_directory(tiny_model):
     assert set(index["weight_map"]) == set(specs)
 
 
+def test_constant_logits_greedy_emits_token_zero_under_speculation(tmp_path):
+    """--constant-logits (bench speculative --replay's model): the final norm is zero, so the
+    logits are exactly 0 and greedy emits token 0 at any step shape; a replay of that
+    continuation is accepted whole (k drafts a step), which random weights' flat logits
+    broke on the H200 (accept length 1.13 of 5)."""
+    from safetensors.torch import load_file
+
+    from compile_engine import LLM, SamplingParams
+
+    out = make_model.make_model("tiny-llama", tmp_path / "c", constant_logits=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert not tensors["model.norm.weight"].any()
+    assert tensors["model.layers.0.input_layernorm.weight"].all()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "adaptive": False}  # fmt: skip
+    llm = LLM(str(out), enforce_eager=True, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([[5, 0, 7], [9, 10, 11, 12]], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [[0] * 12] * 2
+
+
 def test_llama3_8b_preset_matches_llama31_shapes():
     config = make_model.hf_config("llama3-8b")
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
