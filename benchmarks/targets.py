@@ -115,15 +115,15 @@ def _on_h200(run: dict) -> bool:
 
 
 def comparable_runs(results: list[dict]) -> list[dict]:
-    """H200 runs of no named variant on the model that the newest H200 run with a
-    Llama-3-8B-shaped `model_config` used (the runs that record no config, serve and startup,
-    are matched by that model's name), oldest first."""
+    """H200 runs of no named variant on a model that some H200 run with a Llama-3-8B-shaped
+    `model_config` used (the runs that record no config, serve and startup, are matched by
+    those models' names), oldest first. Every such model runs the same shapes: bench
+    speculative --replay's has constant logits (make-model --constant-logits), the others
+    random ones."""
     shaped = [r for r in results if _on_h200(r) and is_llama3_8b_shape(r)]
-    if not shaped:
-        return []
-    model = result_model(max(shaped, key=lambda r: str(r.get("timestamp", ""))))
+    models = {result_model(r) for r in shaped}
     runs = [
-        r for r in results if _on_h200(r) and result_model(r) == model and not result_variant(r)
+        r for r in results if _on_h200(r) and result_model(r) in models and not result_variant(r)
     ]
     return sorted(runs, key=lambda r: str(r.get("timestamp", "")))
 
