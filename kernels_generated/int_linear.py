@@ -20,9 +20,14 @@ One Triton kernel, dequantizing in registers, for every row count:
   16-row tile would be mostly padding). Otherwise `tl.dot` on tensor cores: at most 16 rows
   the "skinny" config, above 16 the "tiles" config (64 x 128 tiles): a tensor-core GEMM that
   dequantizes each weight tile in registers on its way to the MMA.
-- 4-bit tiles load a byte per two codes and the activation's even and odd columns apart, so
-  the low and high nibbles meet their own columns with no interleave in registers: two dots of
-  BLOCK_K / 2 each.
+- 4-bit tiles, dequant "convert": a byte per two codes, the activation's even and odd columns
+  loaded apart, so the low and high nibbles meet their own columns with no interleave in
+  registers: two dots of BLOCK_K / 2 each, the codes through integer-to-float conversions.
+  Dequant "bits" (dot tiles, bf16 / fp16 activations): each code OR-ed into the mantissa of a
+  16-bit float 2^E (bf16 128.0, fp16 1024.0) reads as 2^E + c, and subtracting 2^E + zero is
+  exact, so no conversion instruction runs (Hopper issues those at an eighth of the FMA rate);
+  the nibbles join into one [BLOCK_N, BLOCK_K] tile whose columns are in order, and one dot
+  takes the contiguous activation tile. Which is faster is the table's to say, per shape.
 - SPLIT_K > 1: as the bf16 skinny GEMM (kernels_generated/skinny_gemm.py), each program stores
   its float32 partial and counts itself in on the output tile's counter; the last to arrive
   sums the partials in split order (deterministic) and resets the counter, so CUDA-graph
@@ -31,11 +36,14 @@ One Triton kernel, dequantizing in registers, for every row count:
 
 Launch configs come from configs/int_gemm.json (`KernelConfig.table("int_gemm")`): defaults
 "fma" (rows <= FMA_MAX_ROWS), "skinny" (<= SKINNY_MAX_ROWS) and "tiles" (above), and tuned
-entries keyed by the weight's (N, K) and the row bucket, nearest M, where a sweep has run (none
-yet: the table says so). bias is added after the kernel.
+entries keyed by the weight's (N, K) and the row bucket, nearest M, written by `bench int-gemm
+--write-configs` (benchmarks/int_gemm.py). bias is added after the kernel.
 
-Not measured yet on the H200 (scripts/device/int4.sh runs the GPU tests and `bench latency` on
-Llama-3-8B-shaped int4 / int8 models). On CPU the kernel runs under the Triton interpreter
+Measured on the H200 (417898e, `bench int-gemm`, Llama-3-8B decoder linears, int4 in groups of
+128): the tuned "convert" dot tiles run 1.0-1.6x slower than bf16 cuBLAS, which reads four
+times the bytes (gate_up at 1 row: 76.7 us against 56.0; down at 64 rows 180 us against 36.7):
+dequantization, not memory, bounds this kernel; GPTQ int4 decodes 175.8 tok/s at batch 1.
+"bits" is not measured yet. On CPU the kernel runs under the Triton interpreter
 only (TRITON_INTERPRET=1; float32 / float16 activations, the interpreter computes bf16
 wrongly), as tests/kernels/test_int_linear.py does in tiny shapes.
 """
@@ -81,10 +89,16 @@ class IntLaunch:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 0  # split K until the grid has this many programs per SM (0: none)
+    # 4-bit dot tiles: "convert" (integer to float conversions, two dots over the even and odd
+    # columns) or "bits" (each code OR-ed into a 16-bit float's mantissa, the nibbles joined
+    # into one tile, one dot); module docstring.
+    dequant: str = "convert"
 
     def __post_init__(self) -> None:
         if self.mode not in ("fma", "dot"):
             raise IntLinearError(f"mode {self.mode!r}: 'fma' or 'dot'")
+        if self.dequant not in ("convert", "bits"):
+            raise IntLinearError(f"dequant {self.dequant!r}: 'convert' or 'bits'")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
@@ -114,6 +128,7 @@ def _int_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FMA: tl.constexpr,
+    BITS_DEQUANT: tl.constexpr,  # 4-bit dot tiles through the mantissa (IntLaunch.dequant)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -140,7 +155,31 @@ def _int_linear_kernel(
         else:
             scale = tl.load(s_ptr + offs_n.to(tl.int64) * groups + group, mask=mask_n, other=0.0)
             zero = ZERO
-        if BITS == 4:
+        if BITS == 4 and BITS_DEQUANT:
+            # A code c OR-ed into the mantissa of 2^E (E: 7 in bf16, whose mantissa steps by 1
+            # from 128; 10 in fp16, from 1024) reads as 2^E + c: no integer-to-float
+            # conversion, whose throughput is an eighth of an FMA's. Subtracting 2^E + zero
+            # is exact (small whole numbers). The two nibbles join into [BN, BK] columns in
+            # order, so the activation tile loads contiguous and one dot takes it.
+            b = tl.load(w_rows + (k0 // 2 + offs_j)[None, :], mask=mask_n[:, None], other=0)
+            x_dtype = x_ptr.dtype.element_ty
+            if x_dtype == tl.bfloat16:
+                base: tl.constexpr = 0x4300  # 128.0
+                power: tl.constexpr = 128.0
+            else:
+                base: tl.constexpr = 0x6400  # 1024.0 in fp16
+                power: tl.constexpr = 1024.0
+            lo = ((b & 15).to(tl.uint16) | base).to(x_dtype, bitcast=True)
+            hi = ((b >> 4).to(tl.uint16) | base).to(x_dtype, bitcast=True)
+            w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+            if ZP:  # noqa: SIM108 (a constexpr branch: zero is a constexpr int without ZP)
+                w = w - (zero + power).to(x_dtype)
+            else:
+                w = w - (ZERO + power)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            part = tl.dot(xk, tl.trans(w))
+        elif BITS == 4:
             b = tl.load(w_rows + (k0 // 2 + offs_j)[None, :], mask=mask_n[:, None], other=0)
             lo = (b & 15).to(tl.float32) - zero  # [BN, BK / 2]: columns k0 + 2 j
             hi = (b >> 4).to(tl.float32) - zero  # columns k0 + 2 j + 1
@@ -296,6 +335,9 @@ def run_int_linear(
             raise IntLinearError(f"{n_tiles * m_tiles} tiles exceed the {MAX_TILES} counters")
         workspace = torch.empty(split_k, rows, n_size, dtype=torch.float32, device=x.device)
     zero = 0 if parsed.has_zero or parsed.weight == "int8" else 8
+    bits_dequant = launch.dequant == "bits" and launch.mode == "dot" and parsed.bits == 4
+    if bits_dequant and x.dtype not in (torch.bfloat16, torch.float16):
+        raise IntLinearError(f"dequant 'bits' needs bf16 / fp16 activations, not {x.dtype}")
     _int_linear_kernel[(n_tiles, split_k, m_tiles)](
         flat,
         weight,
@@ -318,6 +360,7 @@ def run_int_linear(
         BLOCK_N=launch.block_n,
         BLOCK_K=block_k,
         FMA=launch.mode == "fma",
+        BITS_DEQUANT=bits_dequant,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

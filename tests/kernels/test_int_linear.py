@@ -40,8 +40,9 @@ def make_weight(weight: str, group: int, n: int, kk: int, device: str = "cpu", s
     return w.to(device), scale.float().to(device), str(scheme)
 
 
-def launch(mode: str, block_m: int, split: int = 0) -> k.IntLaunch:
-    return k.IntLaunch(mode, block_m, 16, 32, num_warps=1, num_stages=1, programs_per_sm=split)
+def launch(mode: str, block_m: int, split: int = 0, dequant: str = "convert") -> k.IntLaunch:
+    return k.IntLaunch(mode, block_m, 16, 32, num_warps=1, num_stages=1, programs_per_sm=split,
+                       dequant=dequant)  # fmt: skip
 
 
 CASES = [  # (weight, group, rows, launch)
@@ -73,8 +74,24 @@ def test_interpreted_float16_dot_and_table_defaults() -> None:
     got = k.run_int_linear(CONFIG, x, w, s, None, scheme, launch("dot", 16))
     want = quant_linear_ref(x, w, s, None, None, scheme)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
-    default = k.launch_config(CONFIG.key, 4096, 4096, 1)
+    default = k.launch_config(CONFIG.key, 4096, 1024, 1)  # a shape the table has no entry of
     assert default.mode == "fma" and k.launch_config(CONFIG.key, 1, 1, 64).block_m
+    tuned = k.launch_config(CONFIG.key, 4096, 4096, 1)  # o_proj: swept on the H200
+    assert tuned.mode == "dot" and tuned.programs_per_sm > 0
+
+
+@interpreted
+@pytest.mark.parametrize("weight", ["int4", "uint4_zp"])
+@pytest.mark.parametrize(("rows", "split"), [(1, 0), (5, 2), (17, 0)])
+def test_interpreted_mantissa_dequant_matches_reference(weight, rows, split) -> None:
+    # dequant "bits": codes OR-ed into an fp16 mantissa (bf16's on the GPU cases), one dot.
+    w, s, scheme = make_weight(weight, 32, 48, 128, seed=rows)
+    x = torch.randn(rows, 128).half()
+    got = k.run_int_linear(CONFIG, x, w, s, None, scheme, launch("dot", 16, split, "bits"))
+    want = quant_linear_ref(x, w, s, None, None, scheme)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    with pytest.raises(k.IntLinearError, match="bf16 / fp16 activations"):
+        k.run_int_linear(CONFIG, x.float(), w, s, None, scheme, launch("dot", 16, 0, "bits"))
 
 
 def test_refuses_what_it_does_not_run() -> None:
@@ -108,6 +125,23 @@ def test_gpu_llama3_shapes_match_reference(weight: str, rows: int) -> None:
         want = quant_linear_ref(x.float(), w, s, None, None, scheme)
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err < 1e-2, (name, err)  # the output's bf16 rounding
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("weight", ["int4", "uint4_zp"])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_gpu_mantissa_dequant_matches_reference(weight: str, rows: int) -> None:
+    for name, (n, kk) in SHAPES.items():
+        w, s, scheme = make_weight(weight, 128, n, kk, "cuda")
+        x = torch.randn(rows, kk, device="cuda").bfloat16()
+        config = k.IntLaunch("dot", 16 if rows <= 16 else 64, 128 if rows <= 16 else 64, 128,
+                             num_warps=4, num_stages=4, programs_per_sm=2 if rows <= 16 else 0,
+                             dequant="bits")  # fmt: skip
+        got = k.run_int_linear(CONFIG, x, w, s, None, scheme, config)
+        want = quant_linear_ref(x.float(), w, s, None, None, scheme)
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-2, (name, err)
 
 
 @pytest.mark.gpu

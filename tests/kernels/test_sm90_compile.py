@@ -41,9 +41,18 @@ def test_tiled_kernel_compiles_for_sm90(num_splits: int):
 
 
 @pytest.mark.parametrize(
-    "bits,zp,fma", [(4, False, True), (4, False, False), (4, True, True), (8, False, False)]
+    "bits,zp,fma,dequant,x",
+    [
+        (4, False, True, False, "bf16"),
+        (4, False, False, False, "bf16"),
+        (4, True, True, False, "bf16"),
+        (8, False, False, False, "bf16"),
+        (4, False, False, True, "bf16"),
+        (4, True, False, True, "bf16"),
+        (4, False, False, True, "fp16"),
+    ],
 )
-def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool):
+def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool, dequant: bool, x):
     """The integer weight-only GEMM in its FMA (skinny) and tensor-core forms, with the split-K
     branch (split_k is a runtime argument: both branches compile)."""
     from triton.backends.compiler import GPUTarget
@@ -51,10 +60,11 @@ def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool):
 
     from compile_engine.kernels_generated.int_linear import _int_linear_kernel as kernel
 
-    pointers = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32",
+    pointers = dict(x_ptr=f"*{x}", w_ptr="*u8", s_ptr="*fp32", out_ptr=f"*{x}", ws_ptr="*fp32",
                     counter_ptr="*i32")  # fmt: skip
     constants = dict(BITS=bits, ZP=zp, ZERO=0 if zp or bits == 8 else 8, GROUP=128,
-                     BLOCK_M=1 if fma else 16, BLOCK_N=64, BLOCK_K=128, FMA=fma)  # fmt: skip
+                     BLOCK_M=1 if fma else 16, BLOCK_N=64, BLOCK_K=128, FMA=fma,
+                     BITS_DEQUANT=dequant)  # fmt: skip
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
     source = ASTSource(
