@@ -143,6 +143,37 @@ def dummy_decode_batch(
     return torch.arange(num_seqs, device=device) % vocab_size, positions, meta
 
 
+# A step whose sequences all have at most this many new tokens (speculative verification: 1 + k)
+# runs the CPU decode graph with a row a token (`as_decode_rows`).
+DECODE_ROWS_MAX_TOKENS = 16
+
+
+def as_decode_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata | None:
+    """The step as one row a token, for the CPU decode graph (CPU tensors: reading them costs
+    no sync), or None when a sequence has more than DECODE_ROWS_MAX_TOKENS new tokens (a
+    prompt chunk: the pieces' prefill attention is the faster there). Token i of a sequence
+    with seq_len L and Q new tokens becomes a row of seq_len L - Q + 1 + i over the same block
+    table: the keys it sees under the causal mask. The decode attention writes every row's K/V
+    before any row reads, so a row finds the step's earlier tokens in the cache. A speculative
+    verification step (1 + k tokens a sequence) then costs about a decode step of that many
+    sequences, not the 31 pieces' (SmolLM2, issue 33)."""
+    starts = meta.query_start_loc
+    if starts.device.type != "cpu" or int(starts[-1]) != num_tokens:
+        return None
+    q_lens = (starts[1:] - starts[:-1]).long()
+    if int(q_lens.max()) > DECODE_ROWS_MAX_TOKENS:
+        return None
+    seq_of = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)  # [T]
+    offset = torch.arange(num_tokens) - starts[:-1].long()[seq_of]
+    seq_lens = meta.seq_lens[seq_of] - q_lens[seq_of].to(meta.seq_lens.dtype) + 1
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables[seq_of],
+        seq_lens=seq_lens + offset.to(meta.seq_lens.dtype),
+        query_start_loc=torch.arange(num_tokens + 1, dtype=starts.dtype),
+    )
+
+
 class CompiledForward:
     """Drop-in replacement for `model.forward(input_ids, positions, kv_caches, meta)`."""
 
@@ -300,6 +331,10 @@ class CompiledForward:
     ) -> torch.Tensor:
         # Every scheduled sequence has >= 1 new token, so as many tokens as sequences is a
         # decode step: a shape test, no host read.
-        if self._decode_fn is not None and input_ids.shape[0] == meta.seq_lens.shape[0]:
-            return self._decode_fn(input_ids, positions, kv_caches, meta)
+        if self._decode_fn is not None:
+            if input_ids.shape[0] == meta.seq_lens.shape[0]:
+                return self._decode_fn(input_ids, positions, kv_caches, meta)
+            rows = as_decode_rows(meta, input_ids.shape[0])
+            if rows is not None:
+                return self._decode_fn(input_ids, positions, kv_caches, rows)
         return self._fn(input_ids, positions, kv_caches, meta)

@@ -121,11 +121,11 @@ print("RESULT " + json.dumps({
 """
 
 
-# Two architectures whose compiled graphs differ (plain, and q/k norm with its extra norm
-# weights); a build and fresh load costs ~40 s of CI's 2 cores, and the suite had reached 20
-# minutes. Tied embeddings and qkv bias (llama-mha-tied, qwen2) compile the same way; their
-# HF equivalence stays in test_engine_equivalence and test_compiled_greedy_equals_hf_and_eager.
-ARTIFACT_ARCHS = ("llama", "qwen3")
+# One architecture: a build and fresh load costs ~40 s of CI's 2 cores, and the suite had
+# reached 20 minutes (twice). What the artifact holds and how a load finds its pieces does not
+# depend on the layers' contents; q/k norm (qwen3), tied embeddings and qkv bias compile in
+# test_compiled_greedy_equals_hf_and_eager, and their HF equivalence in test_engine_equivalence.
+ARTIFACT_ARCHS = ("llama",)
 
 
 @pytest.mark.parametrize("arch", ARTIFACT_ARCHS)

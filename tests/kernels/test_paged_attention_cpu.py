@@ -74,3 +74,40 @@ def test_decode_form_compiled() -> None:
         ours = compiled(q, k, v, cache, slots, tables, lens, starts, 0.125, None, None, "")
         assert torch.equal(cache, want_cache)
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "q_lens,ctx", [([5], [37]), ([3, 1, 5], [20, 9, 16]), ([16, 2], [40, 2]), ([4], [4])]
+)
+def test_decode_rows_of_a_verification_step_equal_reference(q_lens, ctx, dtype) -> None:
+    # A speculative verification step (1 + k new tokens a sequence) as one row a token
+    # (compiler/compiled_model.as_decode_rows) through the decode form equals the reference's
+    # causal attention over the same step; the cache gets the same writes.
+    from compile_engine.compiler.compiled_model import as_decode_rows
+    from compile_engine.models.layers import AttentionMetadata
+
+    q, k, v, cache, slots, tables, lens, starts = batch(q_lens, ctx, dtype)
+    want_cache = cache.clone()
+    want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
+    rows = as_decode_rows(AttentionMetadata(slots, tables, lens, starts), sum(q_lens))
+    assert rows is not None and rows.seq_lens.shape[0] == sum(q_lens)
+    ours = paged_attention_decode_cpu(
+        q, k, v, cache, rows.slot_mapping, rows.block_tables, rows.seq_lens,
+        rows.query_start_loc, 0.125, None, None, "",
+    )  # fmt: skip
+    assert torch.equal(cache, want_cache)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours, want, rtol=tol, atol=tol)
+
+
+def test_decode_rows_leave_prompt_chunks_to_the_pieces() -> None:
+    from compile_engine.compiler.compiled_model import DECODE_ROWS_MAX_TOKENS, as_decode_rows
+    from compile_engine.models.layers import AttentionMetadata
+
+    q_lens = [DECODE_ROWS_MAX_TOKENS + 1, 1]
+    _, _, _, _, slots, tables, lens, starts = batch(q_lens, [40, 9], torch.float32)
+    assert as_decode_rows(AttentionMetadata(slots, tables, lens, starts), sum(q_lens)) is None
+    # Padding past the last sequence's tokens (a graph size): not a step of rows either.
+    _, _, _, _, slots, tables, lens, starts = batch([2, 1], [20, 9], torch.float32)
+    assert as_decode_rows(AttentionMetadata(slots, tables, lens, starts), 4) is None

@@ -20,8 +20,17 @@ from oracle_trained import (
 
 @pytest.mark.slow
 def test_compiled_cpu_bf16_agrees_with_hf_bf16_on_smollm2(smollm2_hf):
-    llm = LLM("smollm2-135m", target="cpu", dtype="bfloat16", num_kv_blocks=256)
-    assert llm.engine.compiled is not None
+    # The pieces only, not the CPU decode graph (passes/paged_attention_cpu.py off): the decode
+    # graph's Inductor compile of all 30 layers is ~40 s of this test's ~100 on CI's 2 cores,
+    # and it compiles in float32 in the README's main-job test (test_engine_equivalence).
+    llm = LLM(
+        "smollm2-135m",
+        target="cpu",
+        dtype="bfloat16",
+        num_kv_blocks=256,
+        passes="-paged_attention_cpu",
+    )
+    assert llm.engine.compiled is not None and llm.engine.compiled.decode_backend is None
     sequences = trained_sequences(llm.tokenizer)
     ours = engine_teacher_forced(llm, sequences, prefill_chunk=128, decode_tail=32)
     hf_bf16 = hf_bf16_copy(smollm2_hf)
