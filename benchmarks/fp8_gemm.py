@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compile_engine.benchmarks.gemm import SHAPES, graph_time_us
+from compile_engine.benchmarks.gemm import SHAPES, graph_time_us, time_configs
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 
 ROWS = (1, 4, 16)  # the buckets between take the nearest entry
@@ -98,10 +98,6 @@ def _weights(n_size: int, k_size: int):
     return out
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-
-
 def run_cell(name: str, rows: int, weights, bf16_weights, deadline: float) -> dict:
     from compile_engine.kernels_generated import tuning
     from compile_engine.kernels_generated.fp8_linear import fp8_linear_ref, run_fp8_linear
@@ -138,34 +134,20 @@ def run_cell(name: str, rows: int, weights, bf16_weights, deadline: float) -> di
             )
         }
         return cell
-    failed, skipped = [], 0
-    for config in candidates(n_size, k_size, rows):
-        if time.monotonic() > deadline:
-            skipped += 1
-            continue
+
+    def call_of(config: dict):
         launch = LaunchConfig(**config)
 
-        def call(q, s, launch=launch):
+        def call(q, s):
             operands = Fp8Operands(s, "channel", bf16, x_s.reshape(-1))
             return _launch(x_q, q, None, launch, kernel_config, fp8=operands)[0]
 
-        try:
-            err = _close(call(*weights[0]), want)
-            if err > 2e-2:
-                failed.append({"variant": name_of(config), "rel_err": err})
-                continue
-            us = graph_time_us([lambda q=q, s=s: call(q, s) for q, s in weights])
-        except Exception as exc:  # a config that does not compile or launch is data too
-            error = f"{type(exc).__name__}: {exc}"[:300]
-            failed.append({"variant": name_of(config), "error": error})
-            continue
-        v[name_of(config)] = {"us": us, "tb_s": round(fp8_bytes / us / 1e6, 3), "config": config}
-    cell["failed"], cell["skipped_over_budget"] = failed, skipped
-    fp8 = {k: c for k, c in v.items() if "config" in c}
-    if fp8:
-        best = min(fp8, key=lambda k: fp8[k]["us"])
-        cell["best"] = best
-        cell["speedup_vs_bf16_engine"] = round(v["bf16_engine"]["us"] / fp8[best]["us"], 3)
+        return call
+
+    configs = candidates(n_size, k_size, rows)
+    best = time_configs(cell, configs, call_of, weights, want, fp8_bytes, deadline, name_of)
+    if best is not None:
+        cell["speedup_vs_bf16_engine"] = round(v["bf16_engine"]["us"] / best["us"], 3)
     return cell
 
 

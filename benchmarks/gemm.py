@@ -103,6 +103,48 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 7) -> float:
 # --------------------------------------------------------------------------- candidates
 
 
+def time_configs(
+    cell: dict,
+    configs: list[dict],
+    call_of: Callable[[dict], Callable],
+    operands: list[tuple],
+    want: torch.Tensor,
+    moved_bytes: int,
+    deadline: float,
+    name_of: Callable[[dict], str],
+    timer: Callable[[list[Callable[[], object]]], float] = graph_time_us,
+) -> dict | None:
+    """A kernel's launch configs swept into `cell["variants"]` (name -> us, TB/s, config): each
+    config's call (`call_of(config)(*operands[i])`) must match `want` to 2e-2 relative before it
+    is timed over every operand set; those that do not, or fail to compile or launch, go to
+    `cell["failed"]`, those past `deadline` count in `cell["skipped_over_budget"]`. Returns the
+    fastest variant's entry (also `cell["best"]`, by name), None when none was timed."""
+    failed, skipped, timed = [], 0, {}
+    for config in configs:
+        if time.monotonic() > deadline:
+            skipped += 1
+            continue
+        name = name_of(config)
+        try:
+            call = call_of(config)
+            got = call(*operands[0]).float()
+            err = ((got - want.float()).abs().max() / want.float().abs().max()).item()
+            if err > 2e-2:
+                failed.append({"variant": name, "rel_err": err})
+                continue
+            us = timer([lambda ops=ops, call=call: call(*ops) for ops in operands])
+        except Exception as exc:  # a config that does not compile or launch is data too
+            failed.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        timed[name] = {"us": us, "tb_s": round(moved_bytes / us / 1e6, 3), "config": config}
+    cell["variants"].update(timed)
+    cell["failed"], cell["skipped_over_budget"] = failed, skipped
+    if not timed:
+        return None
+    cell["best"] = min(timed, key=lambda k: timed[k]["us"])
+    return timed[cell["best"]]
+
+
 def triton_name(c: dict) -> str:
     ragged = f"/r{c['programs_per_sm']}" if c.get("programs_per_sm") else ""
     tma = "/tma" if c.get("tma") else ""

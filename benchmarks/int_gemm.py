@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compile_engine.benchmarks.gemm import SHAPES, graph_time_us
+from compile_engine.benchmarks.gemm import SHAPES, graph_time_us, time_configs
 from compile_engine.benchmarks.results import DEFAULT_DIRECTORY, write_result
 
 ROWS = (1, 4, 16, 64)
@@ -101,8 +101,7 @@ def run_cell(kind, name, rows, weights, bf16_weights, deadline) -> dict:
     n_size, k_size = SHAPES[name]
     kernel_config, scheme = tuning.default(), SCHEMES[kind]
     x = torch.randn(rows, k_size, device="cuda", dtype=torch.bfloat16)
-    w0, s0 = weights[0]
-    want = quant_linear_ref(x, w0, s0, None, None, scheme).float()
+    want = quant_linear_ref(x, *weights[0], None, None, scheme).float()
     moved = n_size * k_size // (2 if kind == "int4" else 1) + 2 * rows * (k_size + n_size)
     cell: dict = {"weights": kind, "shape": name, "N": n_size, "K": k_size, "M": rows}
     v = cell["variants"] = {}
@@ -115,35 +114,14 @@ def run_cell(kind, name, rows, weights, bf16_weights, deadline) -> dict:
             ]  # fmt: skip
         )
     }
-    failed, skipped = [], 0
-    for config in candidates(rows):
-        if time.monotonic() > deadline:
-            skipped += 1
-            continue
+
+    def call_of(config: dict):
         launch = IntLaunch(**config)
+        return lambda w, s: run_int_linear(kernel_config, x, w, s, None, scheme, launch)
 
-        def call(w, s, launch=launch):
-            return run_int_linear(kernel_config, x, w, s, None, scheme, launch)
-
-        try:
-            got = call(w0, s0).float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            if err > 2e-2:
-                failed.append({"variant": name_of(config), "rel_err": err})
-                continue
-            us = graph_time_us([lambda w=w, s=s: call(w, s) for w, s in weights])
-        except Exception as exc:  # a config that does not compile or launch is data too
-            failed.append(
-                {"variant": name_of(config), "error": f"{type(exc).__name__}: {exc}"[:300]}
-            )
-            continue
-        v[name_of(config)] = {"us": us, "tb_s": round(moved / us / 1e6, 3), "config": config}
-    cell["failed"], cell["skipped_over_budget"] = failed, skipped
-    timed = {k: c for k, c in v.items() if "config" in c}
-    if timed:
-        best = min(timed, key=lambda k: timed[k]["us"])
-        cell["best"] = best
-        cell["speedup_vs_bf16_cublas"] = round(v["bf16_cublas"]["us"] / timed[best]["us"], 3)
+    best = time_configs(cell, candidates(rows), call_of, weights, want, moved, deadline, name_of)
+    if best is not None:
+        cell["speedup_vs_bf16_cublas"] = round(v["bf16_cublas"]["us"] / best["us"], 3)
     return cell
 
 

@@ -152,3 +152,60 @@ def test_render_shows_the_unfused_chain_against_the_best_fused_launch():
     lines = render._gemm_norm({"cells": [cell, lost], "timing": "graph replay"})
     assert "| gate_up + silu | 1 | 59.02 (triton) | 57.15 (`128x128/w8/p3`) | x1.033 |" in lines
     assert "| qkv | 2 | 17.40 (cublas) | — | — |" in lines
+
+
+def test_time_configs_times_what_matches_and_records_the_rest():
+    """bench fp8-gemm's and int-gemm's sweep loop (benchmarks/gemm.time_configs), on CPU with
+    a stand-in timer: a config that matches the reference is timed over every operand set, a
+    wrong one and one that raises are kept as failures, those past the deadline counted."""
+    import time
+
+    import torch
+
+    from compile_engine.benchmarks.gemm import time_configs
+
+    x = torch.randn(3, 8)
+    operands = [(torch.randn(5, 8),) for _ in range(2)]
+    want = x @ operands[0][0].t()
+
+    def call_of(config):
+        if config["kind"] == "raises":
+            raise RuntimeError("out of resource: shared memory")
+        scale = 1.0 if config["kind"] == "right" else 1.5
+        return lambda w: scale * (x @ w.t())
+
+    timings = iter([7.0, 3.0])
+    seen = []
+
+    def timer(calls):
+        seen.append(len(calls))
+        return next(timings)
+
+    configs = [{"kind": k, "i": i} for i, k in enumerate(["right", "wrong", "raises", "right"])]
+    cell = {"variants": {"cublas": {"us": 9.0}}}
+    best = time_configs(cell, configs, call_of, operands, want, 4000, time.monotonic() + 60,
+                        lambda c: f"{c['kind']}{c['i']}", timer)  # fmt: skip
+    assert seen == [2, 2] and cell["best"] == "right3" and best["us"] == 3.0
+    assert best["tb_s"] == round(4000 / 3.0 / 1e6, 3) and best["config"] == configs[3]
+    assert set(cell["variants"]) == {"cublas", "right0", "right3"}
+    assert [f["variant"] for f in cell["failed"]] == ["wrong1", "raises2"]
+    assert "rel_err" in cell["failed"][0] and "shared memory" in cell["failed"][1]["error"]
+    late = {"variants": {}}
+    assert time_configs(late, configs, call_of, operands, want, 1, time.monotonic() - 1,
+                        str, timer) is None  # fmt: skip
+    assert late["skipped_over_budget"] == 4 and "best" not in late
+
+
+def test_int_gemm_candidates_are_valid_launches_both_dequant_forms():
+    from compile_engine.benchmarks import int_gemm
+    from compile_engine.kernels_generated.int_linear import IntLaunch
+
+    for rows in (1, 16, 64):
+        configs = int_gemm.candidates(rows)
+        launches = [IntLaunch(**c) for c in configs]
+        assert all(c["block_k"] <= int_gemm.GROUP for c in configs)  # a tile in one group
+        dots = [launch for launch in launches if launch.mode == "dot"]
+        assert {d.dequant for d in dots} == {"convert", "bits"}
+        assert len({int_gemm.name_of(c) for c in configs}) == len(configs)
+    assert any(c["mode"] == "fma" for c in int_gemm.candidates(1))
+    assert not any(c["mode"] == "fma" for c in int_gemm.candidates(16))
