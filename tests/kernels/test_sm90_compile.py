@@ -7,14 +7,29 @@ import pytest
 import triton
 
 
+def _compile_sm90(kernel, pointers: dict, constants: dict, **options):
+    """`kernel` compiled for sm_90 by Triton's own ptxas: pointer and constexpr arguments as
+    given, every other argument a 32-bit integer."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    assert "cubin" in compiled.asm
+    return compiled
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_tiled_kernel_compiles_for_sm90(num_splits: int):
     # The interpreter type-checks nothing: an offline sm_90 compile (Triton's own ptxas, no GPU)
     # catches what only the GPU's compiler refuses, e.g. a split-only branch compiled for one
     # pass, where the workspace pointers are the bf16 output's.
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from compile_engine.kernels_generated.paged_attention.kernels import (
         _paged_attention_tiled_kernel as kernel,
     )
@@ -29,15 +44,7 @@ def test_tiled_kernel_compiles_for_sm90(num_splits: int):
     constants = dict(GROUP=4, GROUP_P2=4, BLOCK_M=16, HEAD_DIM=128, KV_BLOCK_SIZE=16, BLOCK_N=32,
                      COMPUTE_F32=False, DOT_PRECISION="ieee", FP8_KV=False, NUM_SPLITS=num_splits,
                      MIN_SPLIT_KEYS=256)  # fmt: skip
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-    )
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "cubin" in compiled.asm
+    _compile_sm90(kernel, pointers, constants, num_warps=4)
 
 
 @pytest.mark.parametrize(
@@ -55,9 +62,6 @@ def test_tiled_kernel_compiles_for_sm90(num_splits: int):
 def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool, dequant: bool, x):
     """The integer weight-only GEMM in its FMA (skinny) and tensor-core forms, with the split-K
     branch (split_k is a runtime argument: both branches compile)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from compile_engine.kernels_generated.int_linear import _int_linear_kernel as kernel
 
     pointers = dict(x_ptr=f"*{x}", w_ptr="*u8", s_ptr="*fp32", out_ptr=f"*{x}", ws_ptr="*fp32",
@@ -65,24 +69,13 @@ def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool, deq
     constants = dict(BITS=bits, ZP=zp, ZERO=0 if zp or bits == 8 else 8, GROUP=128,
                      BLOCK_M=1 if fma else 16, BLOCK_N=64, BLOCK_K=128, FMA=fma,
                      BITS_DEQUANT=dequant)  # fmt: skip
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-    )
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "cubin" in compiled.asm
+    _compile_sm90(kernel, pointers, constants, num_warps=4)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_moe_gemm_stages_fit_shared_memory_for_sm90(dtype: str):
     """The MoE table's largest gate+up tiles (tuned in bf16) at the stages `fit_stages` leaves
     compile within Hopper's shared memory in float32 too (3 stages asked 272 KiB there)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from compile_engine.kernels_generated.moe_grouped_gemm import (
         SHARED_MEMORY_BYTES,
         fit_stages,
@@ -97,13 +90,5 @@ def test_moe_gemm_stages_fit_shared_memory_for_sm90(dtype: str):
     constants = dict(ROWS_PER_TOKEN=8, SILU=True, MUL_WEIGHTS=False, COMPUTE_F32=False,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=16,
                      BLOCK_N=128, BLOCK_K=128, GROUP_M=8)  # fmt: skip
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-    )
-    options = {"num_warps": 8, "num_stages": stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = _compile_sm90(kernel, pointers, constants, num_warps=8, num_stages=stages)
     assert compiled.metadata.shared <= SHARED_MEMORY_BYTES
