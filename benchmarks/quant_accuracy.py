@@ -82,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dtype", default="float32", help="the reference's (and the model's) dtype")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=2049,
+        help="the text's first N tokens; N - 1 are scored (the first has no prediction), so "
+        "the default scores the issues' 2,048",
+    )
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY))
     args = p.parse_args(argv)
     text_path = Path(args.text)
