@@ -18,8 +18,9 @@ acceptance estimate, spaced so that probes cost at most `probe_budget` of the ti
 
 Estimates adapt: step times are the median of the last `window` steps at a token count
 (exact counts up to 32, geometric bins above; the median because a CPU shared with other work
-stalls a step now and then); a count not timed yet costs what the nearest smaller one timed
-does (optimistic: a k that could win is tried once at each size, then it is known), k is
+stalls a step now and then; the first step at a count is not kept: it pays first-use costs);
+a count not timed yet costs what the nearest smaller one timed does (optimistic: a k that
+could win is tried at each size until it is known, twice), k is
 explored upward one size at a time, and a step without drafts is timed at a size before any
 k is judged against it. Acceptance counts
 decay by `decay` each step that verified drafts, from priors (proposals: all given;
@@ -49,17 +50,28 @@ def token_bin(num_tokens: int) -> int:
 
 @dataclass(slots=True)
 class StepCosts:
-    """Step seconds by scheduled tokens: a windowed median per bin, interpolated."""
+    """Step seconds by scheduled tokens: a windowed median per bin, interpolated. The first
+    step of each bin is not kept: it pays first-use costs (lazy kernel loads and compiles,
+    allocator growth, a graph's first replay) that later steps do not, and a bin is judged by
+    its samples alone, so one such stall would price its k out for good (a size the policy
+    stops choosing is never timed again). On the H200 the replay's every-draft-accepted run
+    took drafts in its warm-up at 148 tok/s (k = 1 only, slower than no speculation) and then
+    none for a whole round (163c9f7), which such a stall explains (not confirmed on the device
+    yet: the record kept only the final medians, normal by then)."""
 
     window: int = 16
     _samples: dict[int, deque[float]] = field(default_factory=dict)
     _keys: list[int] = field(default_factory=list)  # sorted bins with samples
     _medians: dict[int, float] = field(default_factory=dict)  # computed since the last sample
+    _seen: set[int] = field(default_factory=set)  # bins whose first step was observed
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or not seconds > 0:
             return
         key = token_bin(num_tokens)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
         samples = self._samples.get(key)
         if samples is None:
             samples = self._samples[key] = deque(maxlen=self.window)

@@ -37,15 +37,21 @@ def test_token_bins_are_exact_then_geometric():
     assert len(bins) < 40 and all(abs(token_bin(t) - t) / t < 0.13 for t in range(33, 2049))
 
 
+def observed(costs: StepCosts, num_tokens: int, seconds: float) -> None:
+    """A count's first step (not kept: its first-use costs) and one timed step."""
+    costs.observe(num_tokens, 10 * seconds)
+    costs.observe(num_tokens, seconds)
+
+
 def test_step_costs_are_medians_and_optimistic_where_not_timed():
     costs = StepCosts()
     assert costs.estimate(4) is None
-    costs.observe(2, 0.010)
+    observed(costs, 2, 0.010)
     assert costs.estimate(9) == costs.estimate(1) == pytest.approx(0.010)
-    costs.observe(9, 0.018)
+    observed(costs, 9, 0.018)
     assert costs.estimate(5) == pytest.approx(0.010)  # not timed: the nearest below
     assert costs.estimate(9) == costs.estimate(17) == pytest.approx(0.018)
-    costs.observe(3, 0.012)
+    observed(costs, 3, 0.012)
     assert costs.estimate(2.25) == pytest.approx(0.0105)  # a mixture of 2 and 3
     # The median of the window: one stall does not move it.
     for seconds in (0.010, 0.010, 3.0):
@@ -96,11 +102,32 @@ def test_a_large_batch_whose_step_grows_with_tokens_takes_none():
 def test_unknown_sizes_are_timed_without_drafts_first():
     policy = SpeculationPolicy(4)
     assert policy.choose(1, 1, 1).k == 0  # nothing timed: a plain step first
-    # Optimistic where not timed, explored upward: one more draft a step while it pays.
+    # Optimistic where not timed, explored upward: one more draft a step while it pays. A
+    # count's first step is not kept (first-use costs): a size is known at its second.
     for k in range(5):
+        policy.observe_step(1 + k, 0.004, drafted=False)
+        assert not policy.costs.known(1 + k)
         policy.observe_step(1 + k, 0.004, drafted=False)
         assert policy.choose(1, 1, 1).k == min(k + 1, 4)
     assert policy.choose(3, 3, 0).k == 0  # nobody can draft
+
+
+def test_a_first_step_stall_does_not_price_a_k_out():
+    """Each size's first step 100x slower (a lazy compile at first use): the policy still
+    climbs to every draft at full acceptance; kept, that one sample priced k >= 1 out, and a
+    size no longer chosen is never timed again."""
+    policy = SpeculationPolicy(4)
+    accepting(policy, 1.0)
+    seen: set[int] = set()
+    for _ in range(8):  # plain steps first (prefill, nothing to propose): one size well timed
+        policy.observe_step(1, 0.4 if 1 not in seen else 0.004, drafted=False)
+        seen.add(1)
+    for _ in range(12):
+        choice = policy.choose(1, 1, 1)
+        tokens = 1 + choice.k
+        policy.observe_step(tokens, 0.4 if tokens not in seen else 0.004, drafted=choice.k > 0)
+        seen.add(tokens)
+    assert policy.choose(1, 1, 1).k == 4
 
 
 def test_probes_are_spaced_by_their_cost_and_follow_a_change():
