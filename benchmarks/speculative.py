@@ -244,12 +244,20 @@ def bench(
                 if warm and warmup_params is not None:
                     run_pass(engine, batches[:2], warmup_params)
                     continue
+                policy = engine.spec_policy
+                before = list(policy.chosen) if policy is not None else None
                 done = run_pass(engine, batches, params)
                 length = done["mean_acceptance_length"]
+                chosen = ""
+                if policy is not None:  # which k the pass's steps took, and what it knew
+                    done["steps_by_k"] = [n - m for n, m in zip(policy.chosen, before, strict=True)]
+                    done["step_s_by_tokens"] = policy.describe()["step_s_by_tokens"]
+                    chosen = f", steps by k {done['steps_by_k']}"
                 print(
                     f"  batch {b} {'warmup' if warm else 'round'} {name}: "
                     f"{done['decode_tok_s']:,.1f} tok/s"
-                    + (f", accept len {length:.2f}" if length else ""),
+                    + (f", accept len {length:.2f}" if length else "")
+                    + chosen,
                     flush=True,
                 )
                 if on_pass is not None:
