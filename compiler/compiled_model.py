@@ -143,6 +143,17 @@ def dummy_decode_batch(
     return torch.arange(num_seqs, device=device) % vocab_size, positions, meta
 
 
+def _compile_forward(model: nn.Module, backend: PiecewiseBackend):
+    """model.forward under torch.compile with `backend`: one graph, every guard dropped."""
+    return torch.compile(
+        _own_code_object(model.forward),
+        backend=backend,
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": _drop_all_guards},
+    )
+
+
 # A step whose sequences all have at most this many new tokens (speculative verification: 1 + k)
 # runs the CPU decode graph with a row a token (`as_decode_rows`).
 DECODE_ROWS_MAX_TOKENS = 16
@@ -185,13 +196,7 @@ class CompiledForward:
         )
         self.backend = PiecewiseBackend(self.pass_manager)
         self.model = model
-        self._fn = torch.compile(
-            _own_code_object(model.forward),
-            backend=self.backend,
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": _drop_all_guards},
-        )
+        self._fn = _compile_forward(model, self.backend)
         # On the CPU decode steps run a graph of their own in which attention is inlined
         # (passes/paged_attention_cpu.py): one compiled call a step instead of 31 pieces and
         # 30 eager attention calls, whose dispatch was ~40% of a batch-1 step (issue 29).
@@ -200,13 +205,7 @@ class CompiledForward:
         if config.target == "cpu":
             ctx = PassContext(config.target, dtype, config.kernel, decode_only=True)
             self.decode_backend = PiecewiseBackend(PassManager(select(config.passes), ctx))
-            self._decode_fn = torch.compile(
-                _own_code_object(model.forward),
-                backend=self.decode_backend,
-                fullgraph=True,
-                dynamic=False,
-                options={"guard_filter_fn": _drop_all_guards},
-            )
+            self._decode_fn = _compile_forward(model, self.decode_backend)
         self.capture_seconds = 0.0
         # A quantized tied lm_head (GGUF Q8_0) on the CPU: its GEMV compiled apart, since the
         # lm_head runs outside the graph (kernels_generated/int_linear_cpu.py says why).
