@@ -55,22 +55,26 @@ def candidates(rows: int) -> list[dict]:
                                     num_warps=warps, num_stages=stages,
                                     programs_per_sm=pps))  # fmt: skip
         fma = [c for c in out if c["mode"] == "fma"]
-        # Each dot config twice: the 4-bit tiles' conversions, then their mantissa form.
-        dot = [d for c in out if c["mode"] == "dot" for d in (c, {**c, "dequant": "bits"})]
+        dot = [d for c in out if c["mode"] == "dot" for d in _dot_forms(c)]
         mixed = [c for pair in zip(fma, dot, strict=False) for c in pair]
         return mixed + fma[len(mixed) // 2 :] + dot[len(mixed) // 2 :]
     for bm, bn in ((16, 128), (32, 128), (64, 128), (64, 64)):
         for warps, stages in ((4, 3), (8, 3), (4, 4)):
             for pps in (0, 2):
-                for dequant in ("convert", "bits"):
-                    out.append(dict(mode="dot", block_m=bm, block_n=bn, block_k=GROUP,
-                                    num_warps=warps, num_stages=stages, programs_per_sm=pps,
-                                    dequant=dequant))  # fmt: skip
+                out.extend(_dot_forms(dict(mode="dot", block_m=bm, block_n=bn, block_k=GROUP,
+                                           num_warps=warps, num_stages=stages,
+                                           programs_per_sm=pps)))  # fmt: skip
     return out
 
 
+def _dot_forms(config: dict) -> list[dict]:
+    """A dot config four times: the 4-bit tiles' conversions or their mantissa form, each with
+    the activations or the weights as the dot's left operand."""
+    return [{**config, "dequant": d, "swap": w} for w in (False, True) for d in ("convert", "bits")]
+
+
 def name_of(c: dict) -> str:
-    bits = "/bits" if c.get("dequant") == "bits" else ""
+    bits = ("/bits" if c.get("dequant") == "bits" else "") + ("/swap" if c.get("swap") else "")
     return (
         f"{c['mode']}/{c['block_m']}x{c['block_n']}x{c['block_k']}/pps{c['programs_per_sm']}"
         f"/w{c['num_warps']}/p{c['num_stages']}{bits}"

@@ -93,6 +93,10 @@ class IntLaunch:
     # columns) or "bits" (each code OR-ed into a 16-bit float's mantissa, the nibbles joined
     # into one tile, one dot); module docstring.
     dequant: str = "convert"
+    # dot tiles: the weight tile as the dot's left operand and the activations as its right
+    # (out^T = w @ x^T). Hopper's wgmma reads its left operand from registers and only its
+    # right from shared memory, so the tile dequantized in registers feeds the MMA directly.
+    swap: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("fma", "dot"):
@@ -103,6 +107,17 @@ class IntLaunch:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise IntLinearError(f"{name}={value}: a power of two")
+
+
+@triton.jit
+def _mma(x, w, SWAP: tl.constexpr):
+    """One tile's product, float32: x [BM, BK] @ w [BN, BK]^T, or its transpose [BN, BM] with
+    the weight as the left operand (SWAP)."""
+    if SWAP:  # noqa: SIM108 (a constexpr branch: one dot is traced, of one shape)
+        out = tl.dot(w, tl.trans(x))
+    else:
+        out = tl.dot(x, tl.trans(w))
+    return out
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "k_tiles"])
@@ -129,6 +144,7 @@ def _int_linear_kernel(
     BLOCK_K: tl.constexpr,
     FMA: tl.constexpr,
     BITS_DEQUANT: tl.constexpr,  # 4-bit dot tiles through the mantissa (IntLaunch.dequant)
+    SWAP: tl.constexpr,  # dot tiles: the weight as the left operand (IntLaunch.swap)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,9 +157,13 @@ def _int_linear_kernel(
     WIDTH: tl.constexpr = BLOCK_K // 2 if BITS == 4 else BLOCK_K  # code bytes a tile row
     offs_j = tl.arange(0, WIDTH)
     row_bytes = K // 2 if BITS == 4 else K
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes  # [BN, 1]
+    row_items = row_bytes // 4 if FMA else row_bytes  # FMA reads the codes as int32 words
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_items  # [BN, 1]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * k_tiles * BLOCK_K
     for t in range(0, k_tiles):
         k0 = k_begin + t * BLOCK_K
@@ -178,7 +198,31 @@ def _int_linear_kernel(
                 w = w - (ZERO + power)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-            part = tl.dot(xk, tl.trans(w))
+            part = _mma(xk, w, SWAP)
+        elif FMA:
+            # Few rows, no tensor cores: the codes come as int32 words (w_ptr is the weight's
+            # int32 view), each code shifted out and OR-ed into float32's mantissa under 2^23,
+            # which reads as 2^23 + c: no conversion instruction (an eighth of the FMA rate on
+            # Hopper; the byte-wise form was conversion-bound), exact as the reference's.
+            PER_WORD: tl.constexpr = 32 // BITS
+            WORDS: tl.constexpr = BLOCK_K // PER_WORD
+            words = tl.load(
+                w_rows + (k0 // PER_WORD + tl.arange(0, WORDS))[None, :],
+                mask=mask_n[:, None],
+                other=0,
+            )  # [BN, WORDS]: word j holds columns PER_WORD * j + i in its i-th code
+            shifts = tl.arange(0, PER_WORD) * BITS
+            codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            if BITS == 8 and not ZP:
+                codes = codes ^ 128  # two's complement int8 -> q + 128
+            biased = tl.reshape(codes | 0x4B000000, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True)
+            if ZP:
+                w = (biased - 8388608.0) - zero  # zero: the group's, a float
+            else:
+                w = biased - (8388608.0 + (128 if BITS == 8 else ZERO))
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            part = tl.sum(xk.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
         elif BITS == 4:
             b = tl.load(w_rows + (k0 // 2 + offs_j)[None, :], mask=mask_n[:, None], other=0)
             lo = (b & 15).to(tl.float32) - zero  # [BN, BK / 2]: columns k0 + 2 j
@@ -186,21 +230,19 @@ def _int_linear_kernel(
             x_cols = x_rows + (k0 + 2 * offs_j)[None, :]
             xe = tl.load(x_cols, mask=mask_m[:, None], other=0.0)  # [BM, BK / 2]
             xo = tl.load(x_cols + 1, mask=mask_m[:, None], other=0.0)
-            if FMA:
-                part = tl.sum(xe.to(tl.float32)[:, None, :] * lo[None, :, :], axis=2)
-                part += tl.sum(xo.to(tl.float32)[:, None, :] * hi[None, :, :], axis=2)
-            else:
-                part = tl.dot(xe, tl.trans(lo.to(xe.dtype)))
-                part = tl.dot(xo, tl.trans(hi.to(xo.dtype)), part)
+            part = _mma(xe, lo.to(xe.dtype), SWAP)
+            part += _mma(xo, hi.to(xo.dtype), SWAP)
         else:
             q = tl.load(w_rows + (k0 + offs_j)[None, :], mask=mask_n[:, None], other=0)
             w = q.to(tl.float32) - zero  # [BN, BK]
             xk = tl.load(x_rows + (k0 + offs_j)[None, :], mask=mask_m[:, None], other=0.0)
-            if FMA:
-                part = tl.sum(xk.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-            else:
-                part = tl.dot(xk, tl.trans(w.to(xk.dtype)))
-        acc += part * scale[None, :]
+            part = _mma(xk, w.to(xk.dtype), SWAP)
+        if SWAP:
+            acc += part * scale[:, None]
+        else:
+            acc += part * scale[None, :]
+    if SWAP:
+        acc = tl.trans(acc)  # [BM, BN]
     o_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     o_mask = mask_m[:, None] & mask_n[None, :]
     out_dtype = out_ptr.dtype.element_ty
@@ -338,9 +380,13 @@ def run_int_linear(
     bits_dequant = launch.dequant == "bits" and launch.mode == "dot" and parsed.bits == 4
     if bits_dequant and x.dtype not in (torch.bfloat16, torch.float16):
         raise IntLinearError(f"dequant 'bits' needs bf16 / fp16 activations, not {x.dtype}")
+    fma = launch.mode == "fma"
+    if fma and k_size % 8:
+        raise IntLinearError(f"the FMA launch reads int32 words: {k_size} input features, "
+                             "want a multiple of 8")  # fmt: skip
     _int_linear_kernel[(n_tiles, split_k, m_tiles)](
         flat,
-        weight,
+        weight.view(torch.int32) if fma else weight,
         weight_scale,
         out,
         workspace,
@@ -359,8 +405,9 @@ def run_int_linear(
         BLOCK_M=block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=block_k,
-        FMA=launch.mode == "fma",
+        FMA=fma,
         BITS_DEQUANT=bits_dequant,
+        SWAP=launch.swap and not fma,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

@@ -196,7 +196,7 @@ def test_time_configs_times_what_matches_and_records_the_rest():
     assert late["skipped_over_budget"] == 4 and "best" not in late
 
 
-def test_int_gemm_candidates_are_valid_launches_both_dequant_forms():
+def test_int_gemm_candidates_are_valid_launches_every_dequant_and_operand_form():
     from compile_engine.benchmarks import int_gemm
     from compile_engine.kernels_generated.int_linear import IntLaunch
 
@@ -205,7 +205,9 @@ def test_int_gemm_candidates_are_valid_launches_both_dequant_forms():
         launches = [IntLaunch(**c) for c in configs]
         assert all(c["block_k"] <= int_gemm.GROUP for c in configs)  # a tile in one group
         dots = [launch for launch in launches if launch.mode == "dot"]
-        assert {d.dequant for d in dots} == {"convert", "bits"}
+        assert {(d.dequant, d.swap) for d in dots} == {
+            (d, w) for d in ("convert", "bits") for w in (False, True)
+        }
         assert len({int_gemm.name_of(c) for c in configs}) == len(configs)
     assert any(c["mode"] == "fma" for c in int_gemm.candidates(1))
     assert not any(c["mode"] == "fma" for c in int_gemm.candidates(16))

@@ -40,15 +40,19 @@ def make_weight(weight: str, group: int, n: int, kk: int, device: str = "cpu", s
     return w.to(device), scale.float().to(device), str(scheme)
 
 
-def launch(mode: str, block_m: int, split: int = 0, dequant: str = "convert") -> k.IntLaunch:
+def launch(mode: str, block_m: int, split: int = 0, dequant: str = "convert",
+           swap: bool = False) -> k.IntLaunch:  # fmt: skip
     return k.IntLaunch(mode, block_m, 16, 32, num_warps=1, num_stages=1, programs_per_sm=split,
-                       dequant=dequant)  # fmt: skip
+                       dequant=dequant, swap=swap)  # fmt: skip
 
 
 CASES = [  # (weight, group, rows, launch)
     ("int4", 32, 1, launch("fma", 1)),
     ("int8", 32, 3, launch("fma", 4)),
     ("uint4_zp", 64, 2, launch("fma", 2, split=4)),
+    ("uint8_zp", 32, 1, launch("fma", 1)),
+    ("int8", 32, 4, launch("dot", 16, swap=True)),
+    ("uint4_zp", 64, 18, launch("dot", 16, split=2, swap=True)),
     ("uint8_zp", 32, 5, launch("dot", 16)),
     ("int4", 64, 17, launch("dot", 16, split=2)),
     ("uint4_zp", 32, 20, launch("dot", 16)),
@@ -76,18 +80,20 @@ def test_interpreted_float16_dot_and_table_defaults() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
     default = k.launch_config(CONFIG.key, 4096, 1024, 1)  # a shape the table has no entry of
     assert default.mode == "fma" and k.launch_config(CONFIG.key, 1, 1, 64).block_m
-    tuned = k.launch_config(CONFIG.key, 4096, 4096, 1)  # o_proj: swept on the H200
-    assert tuned.mode == "dot" and tuned.programs_per_sm > 0
+    entries = CONFIG.table("int_gemm").targets["h100"].entries  # swept on the H200
+    (o_proj,) = [e for e in entries if (e.key["N"], e.key["K"], e.key["M"]) == (4096, 4096, 1)]
+    assert k.launch_config(CONFIG.key, 4096, 4096, 1) == k.IntLaunch(**o_proj.config)
 
 
 @interpreted
 @pytest.mark.parametrize("weight", ["int4", "uint4_zp"])
-@pytest.mark.parametrize(("rows", "split"), [(1, 0), (5, 2), (17, 0)])
-def test_interpreted_mantissa_dequant_matches_reference(weight, rows, split) -> None:
+@pytest.mark.parametrize(("rows", "split", "swap"), [(1, 0, False), (5, 2, True), (17, 0, False)])
+def test_interpreted_mantissa_dequant_matches_reference(weight, rows, split, swap) -> None:
     # dequant "bits": codes OR-ed into an fp16 mantissa (bf16's on the GPU cases), one dot.
     w, s, scheme = make_weight(weight, 32, 48, 128, seed=rows)
     x = torch.randn(rows, 128).half()
-    got = k.run_int_linear(CONFIG, x, w, s, None, scheme, launch("dot", 16, split, "bits"))
+    config = launch("dot", 16, split, "bits", swap)
+    got = k.run_int_linear(CONFIG, x, w, s, None, scheme, config)
     want = quant_linear_ref(x, w, s, None, None, scheme)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
     with pytest.raises(k.IntLinearError, match="bf16 / fp16 activations"):

@@ -48,27 +48,29 @@ def test_tiled_kernel_compiles_for_sm90(num_splits: int):
 
 
 @pytest.mark.parametrize(
-    "bits,zp,fma,dequant,x",
+    "bits,zp,fma,dequant,swap,x",
     [
-        (4, False, True, False, "bf16"),
-        (4, False, False, False, "bf16"),
-        (4, True, True, False, "bf16"),
-        (8, False, False, False, "bf16"),
-        (4, False, False, True, "bf16"),
-        (4, True, False, True, "bf16"),
-        (4, False, False, True, "fp16"),
+        (4, False, True, False, False, "bf16"),
+        (4, False, False, False, False, "bf16"),
+        (4, True, True, False, False, "bf16"),
+        (8, False, True, False, False, "bf16"),
+        (8, False, False, False, True, "bf16"),
+        (4, False, False, True, False, "bf16"),
+        (4, False, False, True, True, "bf16"),
+        (4, True, False, True, True, "bf16"),
+        (4, False, False, True, False, "fp16"),
     ],
 )
-def test_int_linear_kernel_compiles_for_sm90(bits: int, zp: bool, fma: bool, dequant: bool, x):
+def test_int_linear_kernel_compiles_for_sm90(bits, zp, fma, dequant, swap, x):
     """The integer weight-only GEMM in its FMA (skinny) and tensor-core forms, with the split-K
     branch (split_k is a runtime argument: both branches compile)."""
     from compile_engine.kernels_generated.int_linear import _int_linear_kernel as kernel
 
-    pointers = dict(x_ptr=f"*{x}", w_ptr="*u8", s_ptr="*fp32", out_ptr=f"*{x}", ws_ptr="*fp32",
-                    counter_ptr="*i32")  # fmt: skip
+    pointers = dict(x_ptr=f"*{x}", w_ptr="*i32" if fma else "*u8", s_ptr="*fp32",
+                    out_ptr=f"*{x}", ws_ptr="*fp32", counter_ptr="*i32")  # fmt: skip
     constants = dict(BITS=bits, ZP=zp, ZERO=0 if zp or bits == 8 else 8, GROUP=128,
                      BLOCK_M=1 if fma else 16, BLOCK_N=64, BLOCK_K=128, FMA=fma,
-                     BITS_DEQUANT=dequant)  # fmt: skip
+                     BITS_DEQUANT=dequant, SWAP=swap)  # fmt: skip
     _compile_sm90(kernel, pointers, constants, num_warps=4)
 
 
