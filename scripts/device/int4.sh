@@ -7,6 +7,8 @@
 #   device call: carry [".whl"], command `bash scripts/device/int4.sh <commit>`
 # JSON lands in $OUT/r (latency-int4-*, latency-int8-*); logs in $OUT/logs.tgz. Bounded to about
 # 7 minutes: every step has a timeout, the models are written in the background meanwhile.
+# SWEEP=1 retunes the int4 table before the latency (the new table comes back in $OUT/r);
+# PASS_TESTS=0 and INT8=0 leave out the pass's engine tests and the int8 model.
 source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 mkdir -p $OUT/r
@@ -16,15 +18,24 @@ make() {  # preset dir, layout
   [ -d $1 ] || timeout 150 python3 -m compile_engine.benchmarks make-model llama3-8b --out $1 \
     --device cuda --quantize $2 2>&1 | tail -1
 }
-(make /tmp/l3gptq4 gptq-int4; make /tmp/l3gptq8 gptq-int8) > $OUT/make-model.log 2>&1 &
+(make /tmp/l3gptq4 gptq-int4; [ "${INT8:-1}" = 1 ] && make /tmp/l3gptq8 gptq-int8) > $OUT/make-model.log 2>&1 &
 MAKER=$!
 if [ "${SKIP_TESTS:-0}" != 1 ]; then  # SKIP_TESTS=1: the benchmarks alone
   timeout 100 python3 -m pytest tests/kernels/test_int_linear.py -m gpu -q -p no:cacheprovider \
     --maxfail=6 2>&1 | tee $OUT/tests-kernels.log | tail -12
   at "kernel tests"
-  timeout 100 python3 -m pytest tests/passes/test_quantized_gemm_pass.py -m gpu -q \
-    -p no:cacheprovider -k "integer" 2>&1 | tee $OUT/tests-pass.log | tail -12
-  at "pass tests"
+  if [ "${PASS_TESTS:-1}" = 1 ]; then
+    timeout 100 python3 -m pytest tests/passes/test_quantized_gemm_pass.py -m gpu -q \
+      -p no:cacheprovider -k "integer" 2>&1 | tee $OUT/tests-pass.log | tail -12
+    at "pass tests"
+  fi
+fi
+if [ "${SWEEP:-0}" = 1 ]; then  # SWEEP=1: retune the int4 table first (bench int-gemm), kept in $OUT
+  timeout 220 python3 -m compile_engine.benchmarks int-gemm --weights int4 --rows 1 16 64 \
+    --budget-s ${SWEEP_BUDGET_S:-150} --write-configs kernels_generated/configs/int_gemm.json \
+    --results-dir $OUT/r 2>&1 | tee $OUT/int-gemm.log | grep -v Warn | tail -14
+  cp kernels_generated/configs/int_gemm.json $OUT/r/
+  at "int-gemm sweep"
 fi
 wait $MAKER
 cat $OUT/make-model.log
@@ -33,8 +44,10 @@ L3="--target h100 --dtype bfloat16 --results-dir $OUT/r"
 timeout 150 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq4 $L3 \
   --batch-sizes 1,64 --name latency-int4 2>&1 | tee $OUT/latency-int4.log | grep -v Warn | tail -6
 at "latency int4"
-timeout 100 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq8 $L3 \
-  --batch-sizes 1 --name latency-int8 2>&1 | tee $OUT/latency-int8.log | grep -v Warn | tail -5
-at "latency int8"
+if [ "${INT8:-1}" = 1 ]; then  # INT8=0: int4 only
+  timeout 100 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq8 $L3 \
+    --batch-sizes 1 --name latency-int8 2>&1 | tee $OUT/latency-int8.log | grep -v Warn | tail -5
+  at "latency int8"
+fi
 # A device call returns at most 8 files: the logs go back as one archive beside the JSON.
 tar czf $OUT/logs.tgz -C $OUT $(cd $OUT && ls *.log) && rm -f $OUT/*.log
