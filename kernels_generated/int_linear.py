@@ -39,13 +39,14 @@ Launch configs come from configs/int_gemm.json (`KernelConfig.table("int_gemm")`
 entries keyed by the weight's (N, K) and the row bucket, nearest M, written by `bench int-gemm
 --write-configs` (benchmarks/int_gemm.py). bias is added after the kernel.
 
-Measured on the H200 (417898e, `bench int-gemm`, Llama-3-8B decoder linears, int4 in groups of
-128): the tuned "convert" dot tiles run 1.0-1.6x slower than bf16 cuBLAS, which reads four
-times the bytes (gate_up at 1 row: 76.7 us against 56.0; down at 64 rows 180 us against 36.7):
-dequantization, not memory, bounds this kernel; GPTQ int4 decodes 175.8 tok/s at batch 1.
-"bits" is not measured yet. On CPU the kernel runs under the Triton interpreter
-only (TRITON_INTERPRET=1; float32 / float16 activations, the interpreter computes bf16
-wrongly), as tests/kernels/test_int_linear.py does in tiny shapes.
+Measured on the H200 (`bench int-gemm`, Llama-3-8B decoder linears, int4 in groups of 128): at
+417898e the tuned "convert" dot tiles ran 1.0-1.6x slower than bf16 cuBLAS (dequantization,
+not memory, bound them; GPTQ int4 decoded 175.8 tok/s at batch 1, 3,063 at 64). At d8309d5
+"bits" with the weight as the left operand (swap) won 11 of the 12 cells: 1 row 0.6-1.0x
+cuBLAS's time (gate_up 40.9 us against 56.5), 64 rows 1.0-2.0x (down 35.6 us against 36.4);
+GPTQ int4 decodes 282.3 tok/s at batch 1 and 11,079 at 64. On CPU the kernel runs under the
+Triton interpreter only (TRITON_INTERPRET=1; float32 / float16 activations, the interpreter
+computes bf16 wrongly), as tests/kernels/test_int_linear.py does in tiny shapes.
 """
 
 from __future__ import annotations
