@@ -13,7 +13,7 @@
 #      spec_ceiling_speedup_bs1_k4 (>= 3.2x), spec_zero_accept_cost_bs1 (<= 0.03), and every
 #      spec_*_speedup_bs64/256 >= 0.98.
 # About 6 minutes; the JSON lands in $OUT/r, the logs in $OUT/logs.tgz. SKIP_SMOLLM2=1 runs
-# only part 2 (then call 1 and .gguf_b are not needed).
+# only part 2 (then call 1 and .gguf_b are not needed); SKIP_REPLAY=1 only part 1.
 set -uo pipefail
 phase=${1:?usage: speculative_bench.sh 1 | 2 <commit>}
 source scripts/device/env.sh
@@ -32,7 +32,7 @@ T0=$(date +%s)
 # The replay's model has constant logits (make-model --constant-logits): with random weights the
 # greedy continuation otherwise flips with each step's shape (bf16 near-ties), and the recorded
 # continuation stopped being the target's (accept length 1.13 of 5 at batch 64, 417898e).
-[ -d /tmp/l3c ] || (python3 -m compile_engine.benchmarks make-model llama3-8b --out /tmp/l3c --device cuda --constant-logits > $OUT/make-model.log 2>&1) &
+[ "${SKIP_REPLAY:-0}" = 1 ] || [ -d /tmp/l3c ] || (python3 -m compile_engine.benchmarks make-model llama3-8b --out /tmp/l3c --device cuda --constant-logits > $OUT/make-model.log 2>&1) &
 if [ "${SKIP_SMOLLM2:-0}" != 1 ]; then
     [ -f "$part_a" ] || part_a=.gguf_a/part
     if [ -f "$part_a" ] && [ -f .gguf_b/part ]; then
@@ -47,6 +47,7 @@ if [ "${SKIP_SMOLLM2:-0}" != 1 ]; then
     echo "== smollm2 n-gram at $(( $(date +%s) - T0 )) s"
 fi
 wait
+[ "${SKIP_REPLAY:-0}" = 1 ] && { tar czf $OUT/logs.tgz -C $OUT $(cd $OUT && ls *.log); rm -f $OUT/*.log; exit 0; }
 L3="--model /tmp/l3c --target h100 --dtype bfloat16 --results-dir $OUT/r"
 timeout ${REPLAY_BUDGET_S:-330} python3 -m compile_engine.benchmarks speculative $L3 --replay \
     --batch-sizes ${REPLAY_SIZES:-1,64,256} --input-len 32 --output-len 128 --rounds 2 \
