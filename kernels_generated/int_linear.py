@@ -42,7 +42,7 @@ entries keyed by the weight's (N, K) and the row bucket, nearest M, written by `
 Measured on the H200 (`bench int-gemm`, Llama-3-8B decoder linears, int4 in groups of 128): at
 417898e the tuned "convert" dot tiles ran 1.0-1.6x slower than bf16 cuBLAS (dequantization,
 not memory, bound them; GPTQ int4 decoded 175.8 tok/s at batch 1, 3,063 at 64). At d8309d5
-"bits" with the weight as the left operand (swap) won 11 of the 12 cells: 1 row 0.6-1.0x
+"bits" with the weight as the left operand (swap) won 11 of the 12 cells: 1 row 0.7-1.0x
 cuBLAS's time (gate_up 40.9 us against 56.5), 64 rows 1.0-2.0x (down 35.6 us against 36.4);
 GPTQ int4 decodes 282.3 tok/s at batch 1 and 11,079 at 64. On CPU the kernel runs under the
 Triton interpreter only (TRITON_INTERPRET=1; float32 / float16 activations, the interpreter
