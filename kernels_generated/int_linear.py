@@ -19,8 +19,8 @@ One Triton kernel, dequantizing in registers, for every row count:
 - FMA (a few rows): the codes read as int32 words, each OR-ed into float32's mantissa under
   2^23 (no conversion instruction), a broadcast multiply and a sum over K in float32, no
   tensor cores (a 16-row tile would be mostly padding). Otherwise `tl.dot` on tensor cores:
-  at most 16 rows the "skinny" config, above 16 the "tiles" config (64 x 128 tiles): a tensor-core GEMM that
-  dequantizes each weight tile in registers on its way to the MMA.
+  at most 16 rows the "skinny" config, above 16 the "tiles" config (64 x 128 tiles): a
+  tensor-core GEMM that dequantizes each weight tile in registers on its way to the MMA.
 - 4-bit tiles, dequant "convert": a byte per two codes, the activation's even and odd columns
   loaded apart, so the low and high nibbles meet their own columns with no interleave in
   registers: two dots of BLOCK_K / 2 each, the codes through integer-to-float conversions.
