@@ -278,7 +278,49 @@ def bench(
                 entry[name]["policy"] = engine.spec_policy.describe()
         results[b] = entry
         print_batch(b, entry)
+        if getattr(args, "profile", None):
+            profile_engines(Path(args.profile), engines, batches, params, b)
     return results
+
+
+def profile_engines(out: Path, engines: dict, batches, params, b: int) -> None:
+    """--profile: one more pass of each engine under cProfile (its top functions by own and
+    by cumulative time, as text in `out`), and on CUDA each captured graph of <= 16 tokens
+    replayed alone (device time a replay, CUDA events): where a step's time goes, host or
+    device."""
+    import cProfile
+    import io
+    import pstats
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, engine in engines.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        done = run_pass(engine, batches, params)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        text.write(f"{name}: {done['decode_tok_s']:,.1f} tok/s under the profiler\n")
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(60)
+        (out / f"profile-bs{b}-{name}.txt").write_text(text.getvalue())
+    graphs = getattr(engines["off"].runner, "graphs", None)
+    if graphs is None or not torch.cuda.is_available():
+        return
+    lines = []
+    for key, graph in sorted(graphs.graphs.items(), key=lambda kv: kv[0][0]):
+        if key[0] > 16:
+            continue
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        lines.append(f"graph {key}: {start.elapsed_time(end) / 50 * 1000:.1f} us a replay")
+    (out / f"graphs-bs{b}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def print_batch(b: int, entry: dict) -> None:
@@ -308,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="replay: tokens per request")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--name", default=None, help="result file name (speculative[-replay])")
+    p.add_argument(
+        "--profile", default=None, help="a folder: one more pass of each engine under cProfile"
+    )
     return p
 
 

@@ -13,7 +13,8 @@
 #      spec_ceiling_speedup_bs1_k4 (>= 3.2x), spec_zero_accept_cost_bs1 (<= 0.03), and every
 #      spec_*_speedup_bs64/256 >= 0.98.
 # About 6 minutes; the JSON lands in $OUT/r, the logs in $OUT/logs.tgz. SKIP_SMOLLM2=1 runs
-# only part 2 (then call 1 and .gguf_b are not needed); SKIP_REPLAY=1 only part 1.
+# only part 2 (then call 1 and .gguf_b are not needed); SKIP_REPLAY=1 only part 1;
+# SMOLLM2_ARGS adds flags to part 1's run (e.g. "--profile $OUT/prof").
 set -uo pipefail
 phase=${1:?usage: speculative_bench.sh 1 | 2 <commit>}
 source scripts/device/env.sh
@@ -40,6 +41,7 @@ if [ "${SKIP_SMOLLM2:-0}" != 1 ]; then
         echo "$(cat .gguf_b/sha256)  /tmp/smollm2.gguf" | sha256sum -c --quiet - && \
         timeout 200 python3 -m compile_engine.benchmarks speculative --model /tmp/smollm2.gguf \
             --target h100 --batch-sizes 1 --rounds 2 --max-tokens 128 --results-dir $OUT/r \
+            ${SMOLLM2_ARGS:-} \
             2>&1 | tee $OUT/smollm2.log | grep -v Warn | tail -4
     else
         echo "no SmolLM2 halves (run phase 1 with .gguf_a, then this with .gguf_b): skipped"

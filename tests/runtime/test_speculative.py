@@ -544,9 +544,12 @@ def test_bench_speculative_replays_and_the_replay_is_no_users_method(llama, tmp_
     directory, _ = llama
     argv = ["--model", str(directory), "--target", "cpu", "--dtype", "float32", "--enforce-eager"]
     argv += ["--replay", "--batch-sizes", "1,2", "--input-len", "5", "--output-len", "12"]
-    argv += ["--rounds", "1", "--results-dir", str(tmp_path)]
+    argv += ["--rounds", "1", "--results-dir", str(tmp_path), "--profile", str(tmp_path / "p")]
     spec = dict(NGRAM, num_speculative_tokens=3, adaptive=False, min_acceptance_rate=0.0)
     assert speculative.main([*argv, "--speculative-config", json.dumps(spec)]) == 0
+    profiles = sorted(p.name for p in (tmp_path / "p").iterdir())
+    assert profiles == [f"profile-bs{b}-{n}.txt" for b in (1, 2) for n in ("ceiling", "off", "zero")]
+    assert "function calls" in (tmp_path / "p" / "profile-bs1-ceiling.txt").read_text()
     (record,) = tmp_path.glob("speculative-replay-*.json")
     data = json.loads(record.read_text())
     assert data["spec_ceiling_mean_acceptance_length_bs1_k3"] == pytest.approx(4.0, abs=0.5)
