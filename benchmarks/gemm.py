@@ -46,6 +46,16 @@ SHAPES = {  # name: (N, K), Llama-3-8B
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+LLAMA_SHAPES = list(SHAPES)  # the default sweep
+# SmolLM2-135M (README's default model; issue 33's GPU n-gram row): fused qkv 9 + 2 x 3 heads
+# of 64, fused gate_up 2 x 1536, the tied lm_head.
+SHAPES.update(
+    smollm2_qkv=(960, 576),
+    smollm2_o_proj=(576, 576),
+    smollm2_gate_up=(3072, 576),
+    smollm2_down=(576, 1536),
+    smollm2_lm_head=(49152, 576),
+)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PEAK_TB_S = 4.26  # H200 copy rate, measured
 PEAK_TFLOP_S = 784.0  # H200 bf16 GEMM, measured
@@ -477,7 +487,7 @@ def payload_commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(DEFAULT_DIRECTORY), help="where the JSON goes")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=LLAMA_SHAPES, choices=list(SHAPES))
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--budget-s", type=float, default=230.0, help="for the Triton sweep")
     p.add_argument(
