@@ -23,7 +23,7 @@ def main() -> None:
     llm = LLM(model, target="h100", max_model_len=2048, max_num_seqs=16)
     llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
     graphs = llm.engine.runner.graphs
-    for key in sorted(k for k in graphs.graphs if k[0] in sizes):
+    for key in sorted((k for k in graphs.graphs if k[0] in sizes), key=str):
         graph = graphs.graphs[key]
         for _ in range(5):
             graph.replay()
