@@ -24,11 +24,21 @@ where it beats cuBLAS by at least --min-speedup, else cuBLAS. The other entries,
 `fused` records (`bench gemm-norm`) and a kernel an engine A/B chose (`chosen_by`, which takes
 the sweep's best config for that kernel) stay. --from-json rewrites them from a saved sweep,
 without a GPU.
+
+`--shared-rows R` (what the SmolLM2 shapes were written with): a shape's cells of at most R
+rows all take one Triton config, the one of least summed time over those cells among the
+configs timed in every one of them. A row's output is then the same bits at any row count up
+to R (the swapped tile is 16 rows whatever M is, the K order the config's), so a speculative
+verification step (1 + k rows a sequence) computes each row as the one-row decode step does:
+greedy speculation stays lossless in bf16 (issue 33). Per-cell bests differ in their K tiles
+and splits, and then a near-tied argmax flips (SmolLM2 on the H200: 5-7 of 14 outputs
+differed from plain decode at aa5fafa).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import time
@@ -423,7 +433,38 @@ def table_entries(cells: list[dict], info: dict, min_speedup: float) -> list:
     return entries
 
 
-def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) -> None:
+def shared_entries(cells: list[dict], info: dict, rows: int) -> list:
+    """`--shared-rows`: per shape, every swept cell of at most `rows` rows with the Triton
+    config of least summed time over them (among those timed in all); none for a shape where
+    no config was."""
+    from compile_engine.kernels_generated.configs import ConfigEntry
+
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for c in cells:
+        if "error" not in c and c["M"] <= rows:
+            by_shape.setdefault((c["N"], c["K"]), []).append(c)
+    entries = []
+    for group in by_shape.values():
+        timed = [{n for n in c["variants"] if n.startswith("triton:")} for c in group]
+        common = set.intersection(*timed)
+        if not common:
+            continue
+        name = min(sorted(common), key=lambda n: sum(c["variants"][n]["us"] for c in group))
+        for c in group:
+            config = {"kernel": "triton", **c["variants"][name]["config"]}
+            timing = {
+                "cublas_us": c["variants"]["cublas"]["us"],
+                "triton_us": c["variants"][name]["us"],
+                "shared_rows": rows,
+            }
+            key = {"N": c["N"], "K": c["K"], "M": c["M"]}
+            entries.append(ConfigEntry(key, config, {**info, **timing}))
+    return entries
+
+
+def write_configs(
+    cells: list[dict], path: str, min_speedup: float, info: dict, shared_rows: int = 0
+) -> None:
     """The swept cells' entries in the h100 section of the skinny GEMM's config table, every
     other entry left as it was (a sweep of some shapes or rows replaces only theirs). A swept
     entry takes the sweep's choice, config and times and keeps its `fused` records (`bench
@@ -436,8 +477,12 @@ def write_configs(cells: list[dict], path: str, min_speedup: float, info: dict) 
     section = table.targets.get("h100") or TargetConfigs(True, [])
     merged = {_key(e.key): e for e in section.entries}
     best = {_key(c): c for c in cells if c.get("best_triton")}
+    shared = {_key(e.key): e for e in shared_entries(cells, info, shared_rows)}
     for entry in table_entries(cells, info, min_speedup):
         key = _key(entry.key)
+        if key in shared:
+            merged[key] = shared[key]
+            continue
         old = merged.get(key)
         if old is not None and "fused" in old.info:
             entry.info["fused"] = old.info["fused"]
@@ -494,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         "--write-configs", metavar="PATH", help="write the swept cells' entries into this table"
     )
     p.add_argument("--min-speedup", type=float, default=1.05)
+    p.add_argument(
+        "--shared-rows",
+        type=int,
+        default=0,
+        help="cells of at most this many rows share one Triton config (bit-equal rows)",
+    )
     p.add_argument("--list", action="store_true", help="print the sweep's configs per cell")
     p.add_argument(
         "--from-json",
@@ -507,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.write_configs:
             raise SystemExit("--from-json needs --write-configs PATH")
         record = json.loads(Path(args.from_json).read_text())
-        write_configs(record["cells"], args.write_configs, args.min_speedup, provenance_of(record))
+        info = provenance_of(record)
+        write_configs(record["cells"], args.write_configs, args.min_speedup, info, args.shared_rows)
         return 0
     if args.list:
         for name, m in itertools.product(args.shapes, args.rows):
@@ -530,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         "precompile": compiled,
         "cells": cells,
     }
-    return save_sweep("gemm", payload, args, write_configs)
+    write = functools.partial(write_configs, shared_rows=args.shared_rows)
+    return save_sweep("gemm", payload, args, write)
 
 
 def save_sweep(name: str, payload: dict, args: argparse.Namespace, write: Callable) -> int:

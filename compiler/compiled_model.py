@@ -26,7 +26,7 @@ from compile_engine.compiler.config import CompileConfig, apply_inductor_setting
 from compile_engine.kernels_generated.int_linear_cpu import Q8Logits
 from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_decode_cpu
 from compile_engine.models import vocabulary
-from compile_engine.models.layers import AttentionMetadata
+from compile_engine.models.layers import AttentionMetadata, Embedding, LMHead
 from compile_engine.models.quant import QuantEmbedding
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.manager import PassManager
@@ -218,6 +218,14 @@ class CompiledForward:
             and embed.quant_scheme.weight == "int8"
         ):
             self._logits = Q8Logits(embed)
+        # The lm_head runs outside the graph. On CUDA a plain one takes the skinny GEMM
+        # table's choice as the graph's linears do: a table written with `bench gemm
+        # --shared-rows` computes each row of a verification step's logits as the one-row
+        # decode does (issue 33). Vocabulary-parallel and quantized heads keep their own.
+        head = getattr(model, "lm_head", None)
+        if head is None:
+            head = getattr(getattr(model, "model", None), "embed_tokens", None)
+        self._head = head if type(head) in (LMHead, Embedding) else None
         # What Inductor's caches did during capture (counts of pieces): at load every piece
         # should be an AOTAutograd hit, which implies an FX-graph hit and no compile.
         self.cache_stats: dict[str, int] = {}
@@ -311,9 +319,16 @@ class CompiledForward:
         }
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's compute_logits, or the compiled quantized lm_head's GEMV."""
+        """The model's compute_logits, the compiled quantized lm_head's GEMV, or on CUDA a
+        plain bf16/fp16 lm_head by the skinny GEMM table's choice for its rows (cuBLAS where
+        nothing is tuned)."""
         if self._logits is not None:
             return self._logits(hidden)
+        if self._head is not None and hidden.is_cuda:
+            # Imported here: triton is no import of a CPU engine's.
+            from compile_engine.kernels_generated.skinny_gemm import tuned_linear
+
+            return tuned_linear(self.config.kernel, hidden, self._head.weight)
         return self.model.compute_logits(hidden)
 
     @property

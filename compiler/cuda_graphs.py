@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from compile_engine.compiler.compiled_model import as_decode_rows
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.layers import AttentionMetadata
 
@@ -149,11 +150,22 @@ class CUDAGraphRunner:
         short_widths: dict[int, int] | None = None,
         prefill_rows: dict[int, int] | None = None,
         kernel_config: KernelConfig | None = None,
+        decode_rows: bool = False,
     ) -> None:
         """short_widths: capture size -> block-table width (blocks) of its short-context graph
         (`short_table_widths`); prefill_rows: capture size -> sequence slots of its prefill
-        graph (`prefill_rows`, whose kernel choice `kernel_config` makes); none by default."""
+        graph (`prefill_rows`, whose kernel choice `kernel_config` makes); none by default.
+        decode_rows: a step of at most `attention.write_first_max_tokens` tokens (the kernel
+        config's) with a sequence of several replays as one-token rows (`as_decode_rows`),
+        which the forward's paged attention supports by writing the step's K/V before it
+        reads (its launches of that many tokens do)."""
         self.forward, self.kv_caches = forward, kv_caches
+        self.decode_rows_max = 0
+        if decode_rows:
+            if kernel_config is None:
+                raise ValueError("decode rows need the kernel config whose bound they follow")
+            limit = kernel_config.attention.write_first_max_tokens
+            self.decode_rows_max = min(limit, max_num_seqs)
         self.sizes = sorted(set(capture_sizes))
         self.short_widths = {
             size: width for size, width in (short_widths or {}).items() if size in self.sizes
@@ -215,6 +227,7 @@ class CUDAGraphRunner:
             compiled, kv_caches, capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks, device=device, short_widths=widths,
             prefill_rows=rows, kernel_config=kernel_config,
+            decode_rows=any(counts.get(name) for name in PAGED_ATTENTION_PASSES),
         )  # fmt: skip
 
     def _keys(self) -> list[GraphKey]:
@@ -352,6 +365,14 @@ class CUDAGraphRunner:
         step's own shapes choose the tiled attention kernel, else its short-context graph when
         the step's block table is no wider than that graph's; None if no size fits."""
         n, num_seqs = input_ids.shape[0], meta.seq_lens.shape[0]
+        if num_seqs < n <= self.decode_rows_max:
+            # A speculative verification step (1 + k tokens a sequence) as one-token rows:
+            # each row attends with the splits and key tiles of the one-token decode of the
+            # same token, so its logits have the decode's bits and greedy speculation stays
+            # lossless in bf16 (issue 33). None where a sequence has more tokens.
+            rows = as_decode_rows(meta, n)
+            if rows is not None:
+                meta, num_seqs = rows, n
         size = self.padded_size(n, num_seqs)
         if size is None:
             return None

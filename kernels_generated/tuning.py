@@ -93,10 +93,13 @@ class TiledConfig:
 # tokens the register cap of 128 gives 8 programs an SM instead of 6 (0c6c8eb: 37.9 / 170 / 985
 # us against 38.4 / 174 / 1,012 at 256 x 100 / 640 / 4k; at 64 tokens it lost). One split on a
 # table of <= 160 keys at one token (908d9f3, batch 1, contexts 33-160): 247.5 / 247.3 tok/s
-# against 245.9 / 245.9 with the wide table's splits; 2-16 tokens not timed, so they split.
+# against 245.9 / 245.9 with the wide table's splits. The first tier covers 1-16 tokens with
+# one split policy (`choose_num_splits`: the one-token split count), so that a speculative
+# verification step's rows (1 + k a sequence) attend exactly as the one-token decode of the
+# same token does, bit for bit (issue 33); 2-16 tokens had their own tier before, the same
+# tiles with fewer splits and no unsplit bound.
 _CUDA_DECODE = (
     DecodeConfig(1, 64, 4, 2, min_split_keys=64, unsplit_keys=160),
-    DecodeConfig(2, 64, 4, 2, min_split_keys=64),
     DecodeConfig(17, 32, 2, 2, min_split_keys=64),
     DecodeConfig(100, 32, 2, 2, min_split_keys=64, maxnreg=128),
 )
@@ -118,7 +121,11 @@ class AttentionTuning:
     (whose splits spread the long context), 32 tokens 10.9 against 11.3 and 128 tokens 11.2
     against 17.1; with no prefix tiled is within 5% below 32 tokens. tiled_min_split_keys:
     the least cached keys a split of the tiled kernel takes (`tiled_num_splits`; chosen, not
-    yet swept)."""
+    yet swept). write_first_max_tokens: CUDA launches of 2 to this many tokens of the
+    single-token kernel write the step's K/V before they attend (a write-only launch first),
+    so that a token may read another of the step from the cache; the CUDA-graph runner then
+    runs such steps as one-token rows, each attending exactly as a decode does (issue 33:
+    greedy speculation lossless in bf16). 0: never."""
 
     decode_cuda: tuple[DecodeConfig, ...] = _CUDA_DECODE
     decode_cpu: tuple[DecodeConfig, ...] = _CPU_DECODE
@@ -129,6 +136,7 @@ class AttentionTuning:
     tiled_min_split_keys: int = 256
     max_splits: int = 64
     combine_splits: int = 8
+    write_first_max_tokens: int = 16
 
     def decode(self, num_tokens: int, device_type: str) -> DecodeConfig:
         """The single-token kernel's config for a launch of num_tokens tokens (shapes only)."""
@@ -150,6 +158,9 @@ class AttentionTuning:
         for name in ("tiled_min_tokens_per_seq", "prefill_graph_min_tokens",
                      "tiled_min_split_keys", "max_splits", "combine_splits"):  # fmt: skip
             _whole(f"attention.{name}", getattr(self, name))
+        _whole("attention.write_first_max_tokens", self.write_first_max_tokens)
+        if self.write_first_max_tokens < 0:
+            raise KernelConfigError("attention.write_first_max_tokens must be >= 0 (0: never)")
         for name in ("decode_cuda", "decode_cpu"):
             tiers = getattr(self, name)
             if not tiers or tiers[0].least != 1:

@@ -21,7 +21,8 @@ packed batch that mixes prefill chunks and decode tokens:
   from seq_len, so a short sequence in a wide table takes one split and the rest find no keys
   (they still wait for the kernel ahead and load the token's q, k and v, storing nothing).
   A table of at most UNSPLIT_KEYS keys runs unsplit where the launch's config sets that bound
-  (on CUDA, launches of one token): the runner replays a graph captured on a table that
+  (on CUDA, launches of 1-16 tokens), and a sequence that short takes one split in a wider
+  table too (the same arithmetic as unsplit): the runner replays a graph captured on a table that
   narrow while a step's contexts fit (compiler/cuda_graphs.py; docs/compiler.md, section 6,
   item 10). A lone split writes the output; otherwise each writes a partial (max, sum,
   unnormalised acc) to a float32 workspace, and the last of them to finish (an atomic
@@ -405,6 +406,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # 1: one pass; > 1: up to NUM_SPLITS programs share the keys
     MIN_SPLIT_KEYS: tl.constexpr,  # a split takes at least this many keys
+    UNSPLIT_KEYS: tl.constexpr,  # a sequence of at most this many keys takes one split (0: none)
     COMBINE_G: tl.constexpr,  # GROUP rounded up to a power of two (the combine's rows)
     COMBINE_S: tl.constexpr,  # splits the combine loads at once (a power of two)
     COMPUTE_F32: tl.constexpr,  # interpreter: cast tiles to float32 after loading
@@ -415,6 +417,7 @@ def _paged_attention_kernel(
     FP8_KV: tl.constexpr = False,  # the cache is float8_e4m3fn, scaled by k/v_scale_ptr
     PDL: tl.constexpr = False,  # a PDL dependent: waits for the kernel ahead, releases the next
     # after the key loops (tuning.py)
+    WRITE_ONLY: tl.constexpr = False,  # store the tokens' K/V in the cache and return (one split)
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -468,6 +471,10 @@ def _paged_attention_kernel(
         # sequence takes one split (the others find no keys and return), a long one all.
         split = tl.program_id(2)
         per_split = tl.maximum(tl.cdiv(num_keys, NUM_SPLITS), MIN_SPLIT_KEYS)
+        if UNSPLIT_KEYS > 0:
+            # As a table of UNSPLIT_KEYS keys runs unsplit, so does a sequence that short in
+            # a wider one: a token's output does not depend on which graph's table it got.
+            per_split = tl.where(num_keys <= UNSPLIT_KEYS, tl.maximum(num_keys, 1), per_split)
         per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
         active = tl.cdiv(num_keys, per_split)
         key_lo = split * per_split
@@ -514,6 +521,8 @@ def _paged_attention_kernel(
         )
         tl.store(k_cache_ptr + dst, k_store, mask=mine)
         tl.store(v_cache_ptr + dst, v_store, mask=mine)
+    if WRITE_ONLY:
+        return
 
     q = _load_rotated(
         q_ptr + token * stride_qt + heads[:, None] * stride_qh, offs_d[None, :], token_pos,

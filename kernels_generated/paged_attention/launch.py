@@ -126,8 +126,11 @@ def choose_num_splits(
     config = attention.decode(num_tokens, device.type)
     if max_context <= config.unsplit_keys:
         return 1
+    # The first tier's launches take the one-token count: the same splits at 1 and at 2-16
+    # tokens, so that a verification step's rows attend as one-token decodes do (tuning.py).
+    tokens = 1 if config.least == 1 and device.type == "cuda" else num_tokens
     return split_count(
-        num_tokens * num_kv_heads, max_context, config.min_split_keys, attention.max_splits, device
+        tokens * num_kv_heads, max_context, config.min_split_keys, attention.max_splits, device
     )
 
 
@@ -240,6 +243,7 @@ def paged_attention_triton(
     positions: Tensor | None = None,
     cos_sin_cache: Tensor | None = None,
     kernel_config: KernelConfig | None = None,
+    write_first: bool | None = None,
 ) -> Tensor:
     """Same contract as `models.ops.paged_attention`: writes k/v into kv_cache through
     slot_mapping, returns attention output [T, Hq, D]. A float8_e4m3fn cache is written as
@@ -252,7 +256,11 @@ def paged_attention_triton(
     cos_sin_cache [max_pos, rot_dim] q and k arrive unrotated and the kernel applies
     `models.ops.rotary` to them as it loads them (`paged_attention_rotary_ref`): the rotated
     keys are what it writes to the cache. kernel_config: launch configs, split policy and PDL
-    (None: the defaults)."""
+    (None: the defaults). write_first: the single-token kernel's launch is preceded by one
+    that only writes the step's K/V into the cache, so that a token may read another token of
+    the step from the cache (None: on CUDA for 2 to `attention.write_first_max_tokens` tokens;
+    tuning.py). Without it a token reads them from k/v in a second key loop, whose tiles
+    round differently from a decode's reading them from the cache."""
     kernel_config = kernel_config or tuning.default()
     rotary = _rotary_args(q, positions, cos_sin_cache)  # the call's own arguments first
     _validate(q, k, v, kv_cache, block_tables)
@@ -298,8 +306,14 @@ def paged_attention_triton(
         )
     if num_splits < 1:
         raise PagedAttentionKernelError(f"num_splits must be >= 1, got {num_splits}")
-    _launch_single(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                   scale, out, kernel_config, num_splits=num_splits, by_seq=False,
+    args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+    if write_first is None:
+        limit = kernel_config.attention.write_first_max_tokens
+        write_first = q.device.type == "cuda" and 1 < num_tokens <= limit
+    if write_first:
+        _launch_single(*args, out, kernel_config, num_splits=1, by_seq=False, rotary=rotary,
+                       scales=scales, write_only=True)  # fmt: skip
+    _launch_single(*args, out, kernel_config, num_splits=num_splits, by_seq=False,
                    rotary=rotary, scales=scales)  # fmt: skip
     return out
 
@@ -383,9 +397,11 @@ def _launch_single(
     by_seq: bool,
     rotary: tuple[Tensor, Tensor] | None = None,
     scales: tuple[Tensor, Tensor] | None = None,
+    write_only: bool = False,
 ) -> None:
     """Launch `_paged_attention_kernel` (inputs already validated and converted): a program
-    per token (by_seq False) or, beside the tiled kernel, per one-token sequence (by_seq)."""
+    per token (by_seq False) or, beside the tiled kernel, per one-token sequence (by_seq);
+    write_only: only the cache write (num_splits 1)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     on_cpu = q.device.type == "cpu"
@@ -430,6 +446,7 @@ def _launch_single(
             BLOCK_N=config.block_n,
             NUM_SPLITS=num_splits,
             MIN_SPLIT_KEYS=config.min_split_keys,
+            UNSPLIT_KEYS=config.unsplit_keys,
             COMBINE_G=triton.next_power_of_2(group),
             COMBINE_S=min(
                 kernel_config.attention.combine_splits, triton.next_power_of_2(num_splits)
@@ -447,6 +464,7 @@ def _launch_single(
             # A register cap, where a config sets one: more programs resident an SM.
             **({"maxnreg": config.maxnreg} if config.maxnreg is not None else {}),
             PDL=pdl,
+            WRITE_ONLY=write_only,
             **pdl_launch(pdl),
         )
 

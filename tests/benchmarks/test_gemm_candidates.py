@@ -134,6 +134,45 @@ def test_a_sweep_rewrites_only_its_cells_keeping_fused_records_and_a_b_choices(t
     assert after[o_proj]["triton_us"] == 20.0
 
 
+def test_shared_rows_give_a_shapes_few_row_cells_one_triton_config(tmp_path):
+    # --shared-rows 16: the cells of <= 16 rows of a shape take the Triton config of least
+    # summed time among those timed in all of them (a row's bits then do not depend on the
+    # row count: lossless greedy speculation, issue 33), even where a cell's own best or
+    # cuBLAS was faster; cells above 16 rows keep the per-cell rule.
+    import json
+
+    from compile_engine.kernels_generated.configs import ConfigTable
+
+    path = tmp_path / "skinny_gemm.json"
+    table = {"kernel": "skinny_gemm", "key": ["N", "K", "M"], "default": {"kernel": "cublas"}}
+    path.write_text(json.dumps({**table, "targets": {}}))
+    a, b = gemm.candidates(960, 576, 1)[:2]
+
+    def cell(m, times: dict, cublas_us=5.0):
+        variants = {"cublas": {"us": cublas_us}, "cublaslt": {"us": cublas_us}}
+        variants.update({f"triton:{n}": {"us": us, "config": {"a": a, "b": b, "c": b}[n]}
+                         for n, us in times.items()})  # fmt: skip
+        best = min((n for n in variants if n.startswith("triton")), key=lambda n: variants[n]["us"])
+        return {"N": 960, "K": 576, "M": m, "variants": variants, "best_triton": best}
+
+    cells = [
+        cell(1, {"a": 3.0, "b": 3.5, "c": 2.0}),  # c: not timed at every row count
+        cell(8, {"a": 3.4, "b": 3.0}, cublas_us=2.5),  # cuBLAS wins this cell alone
+        cell(64, {"a": 9.0, "b": 8.0}, cublas_us=10.0),
+    ]
+    gemm.write_configs(cells, str(path), 1.05, {"sweep": "gemm@test"}, shared_rows=16)
+    entries = {e.key["M"]: e for e in ConfigTable.load(path).targets["h100"].entries}
+    assert entries[1].config == entries[8].config == {"kernel": "triton", **a}  # 6.4 < 6.5 us
+    assert entries[8].info["shared_rows"] == 16 and entries[8].info["triton_us"] == 3.4
+    assert entries[64].config == {"kernel": "triton", **b}
+    # Without the flag each cell takes its own best.
+    gemm.write_configs(cells, str(path), 1.05, {"sweep": "gemm@test"})
+    entries = {e.key["M"]: e for e in ConfigTable.load(path).targets["h100"].entries}
+    assert (
+        entries[1].config == {"kernel": "triton", **b} and entries[8].config["kernel"] == "cublas"
+    )
+
+
 def test_render_shows_the_unfused_chain_against_the_best_fused_launch():
     from compile_engine.benchmarks import render
 

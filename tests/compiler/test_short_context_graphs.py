@@ -79,18 +79,23 @@ class _Graph:
 
 
 def _runner(
-    short_widths: dict[int, int], prefill: dict[int, int] | None = None, sizes=(1, 4)
+    short_widths: dict[int, int],
+    prefill: dict[int, int] | None = None,
+    sizes=(1, 4),
+    decode_rows: bool = False,
+    kernel_config: KernelConfig | None = None,
 ) -> tuple[CUDAGraphRunner, list]:
     runner = CUDAGraphRunner(
         lambda *args: None,
         [],
         capture_sizes=list(sizes),
-        max_num_seqs=4,
+        max_num_seqs=8 if decode_rows else 4,
         max_blocks_per_seq=20,
         device=CPU,
         short_widths=short_widths,
         prefill_rows=prefill,
-        kernel_config=tuning.default(),
+        kernel_config=kernel_config or tuning.default(),
+        decode_rows=decode_rows,
     )
     replayed: list = []
     for key in runner._keys():
@@ -154,19 +159,51 @@ def test_replay_inputs_fill_the_buffers_with_the_padding():
 
 
 def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):
-    # The H200's 132 SMs and Llama-3-8B's 8 KV heads (shapes only, no device touched): one
-    # token runs unsplit on a table of <= 160 keys and gets a 10-block short graph; 2-16
-    # tokens split as before whatever the width; from 17 tokens nothing splits.
+    # The H200's 132 SMs and Llama-3-8B's 8 KV heads (shapes only, no device touched): 1-16
+    # tokens run unsplit on a table of <= 160 keys and get a 10-block short graph, and split
+    # a wider one as one token does (a verification step's rows attend as decodes); from 17
+    # tokens nothing splits.
     cuda = torch.device("cuda")
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     config = tuning.default()
     assert pa.choose_num_splits(config, 1, 8, 160, cuda) == 1
     assert pa.choose_num_splits(config, 1, 8, 176, cuda) == 3  # 176 keys, 64 a split
-    assert pa.choose_num_splits(config, 2, 8, 160, cuda) == 3
+    assert pa.choose_num_splits(config, 2, 8, 160, cuda) == 1
+    assert pa.choose_num_splits(config, 8, 8, 176, cuda) == 3
     assert pa.choose_num_splits(config, 1, 8, 131072, cuda) == 33
-    assert [pa.unsplit_context(config, t, 8, cuda) for t in (1, 2, 16, 17)] == [160, 0, 0, 0]
+    assert pa.choose_num_splits(config, 16, 8, 131072, cuda) == 33
+    assert [pa.unsplit_context(config, t, 8, cuda) for t in (1, 2, 16, 17)] == [160, 160, 160, 0]
     sizes = [1, 2, 4, 8, 12, 16, 24, 32]
-    assert short_table_widths(PAGED, config, 8, sizes, 16, 8192, cuda) == {1: 10}
+    assert short_table_widths(PAGED, config, 8, sizes, 16, 8192, cuda) == dict.fromkeys(
+        [1, 2, 4, 8, 12, 16], 10
+    )
+
+
+def test_a_verification_step_replays_as_one_token_rows():
+    # 1 + k tokens of one sequence (and a decode beside it) in at most write_first_max_tokens
+    # tokens: replayed as one row a token over its sequence's table, each row's length the
+    # keys its token sees, so that it attends as the one-token decode of that token.
+    runner, replayed = _runner({}, sizes=(1, 4, 8), decode_rows=True)
+    meta = _meta([40, 160], 3)
+    meta.query_start_loc = torch.tensor([0, 4, 5], dtype=torch.int32)
+    meta.slot_mapping = torch.arange(5)
+    ids = torch.arange(5)
+    runner.run(ids, ids, meta)
+    assert replayed == [(8, None, None)]
+    assert runner.seq_lens[:5].tolist() == [37, 38, 39, 40, 160]
+    assert runner.query_start_loc[:7].tolist() == [0, 1, 2, 3, 4, 5, 5]
+    assert runner.block_tables[:5, :3].tolist() == [[1, 2, 3]] * 4 + [[4, 5, 6]]
+    # Without the flag (no paged-attention kernel that writes first), the step as it came.
+    plain, _ = _runner({}, sizes=(1, 4, 8))
+    plain.run(ids, ids, meta)
+    assert plain.seq_lens[:2].tolist() == [40, 160] and plain.query_start_loc[:3].tolist() == [
+        0, 4, 5
+    ]  # fmt: skip
+    # More tokens than write_first_max_tokens: the step as it came too.
+    small = KernelConfig.coerce({"attention": {"write_first_max_tokens": 4}})
+    bounded, _ = _runner({}, sizes=(1, 4, 8), decode_rows=True, kernel_config=small)
+    bounded.run(ids, ids, meta)
+    assert bounded.seq_lens[:2].tolist() == [40, 160]
 
 
 def _prefill_from(tokens: int) -> KernelConfig:

@@ -150,6 +150,52 @@ def test_decode_variants(fields: dict, tier: dict):
 
 
 @interpreted
+def test_verification_rows_attend_as_one_token_decodes_bit_for_bit():
+    # Lossless greedy speculation in bf16 (issue 33): the CUDA-graph runner runs a verification
+    # step (1 + k tokens of one sequence) as one-token rows over the sequence's table
+    # (`as_decode_rows`), written first (write_first), so each row reads the step's earlier
+    # tokens from the cache as the one-token decode of its token does and comes out the same
+    # bits; a sequence of <= unsplit_keys keys takes one split in a wider table with an
+    # unsplit launch's arithmetic. fp32, so any reordering shows; the cache matches the
+    # reference's too.
+    from compile_engine.compiler.compiled_model import as_decode_rows
+    from compile_engine.models.layers import AttentionMetadata
+
+    config = _attention({"unsplit_keys": 48})
+    for context, splits in ((70, 4), (40, 4), (40, 1)):
+        step = ai.make_batch([5], [context], block_size=4, table_width=24, seed=context)
+        meta = AttentionMetadata(
+            step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc
+        )
+        rows = as_decode_rows(meta, 5)
+        as_rows = dataclasses.replace(
+            step, block_tables=rows.block_tables, seq_lens=rows.seq_lens,
+            query_start_loc=rows.query_start_loc,
+        )  # fmt: skip
+        cache = step.kv_cache.clone()
+        got = pa.paged_attention_triton(
+            *as_rows.args(cache), num_splits=splits, kernel_config=config, write_first=True
+        )
+        want_cache = step.kv_cache.clone()
+        want = paged_attention_ref(*step.args(want_cache)[:9])
+        assert torch.equal(cache, want_cache)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        for i in range(5):
+            one = slice(i, i + 1)
+            decode = dataclasses.replace(
+                as_rows, q=step.q[one], k=step.k[one], v=step.v[one],
+                slot_mapping=step.slot_mapping[one], block_tables=rows.block_tables[one],
+                seq_lens=rows.seq_lens[one], query_start_loc=torch.tensor([0, 1]).int(),
+            )  # fmt: skip
+            # A short sequence takes one split in a wide table: the unsplit launch's bits.
+            alone = 1 if context - 4 + i <= 48 else splits
+            out = pa.paged_attention_triton(
+                *decode.args(cache.clone()), num_splits=alone, kernel_config=config
+            )
+            assert torch.equal(out[0], got[i]), (context, splits, i)
+
+
+@interpreted
 def test_fused_split_reduce_leaves_counters_zero():
     # The program that combines a (token, head group)'s splits zeroes its counter again, so
     # the next launch (the next layer, a graph replay) finds every counter at zero.
@@ -365,14 +411,15 @@ def test_choose_num_splits_reads_shapes_only():
 
 def test_decode_configs_by_launch_size():
     # The last tier whose `least` the launch reaches: on CUDA the small-batch config with
-    # the one-token unsplit table, 2-16 tokens without it, BLOCK_N 32 from 17, the register
-    # cap from 100; one config on CPU (the interpreter).
+    # the unsplit table for 1-16 tokens (verification steps attend as decodes do), BLOCK_N 32
+    # from 17, the register cap from 100; one config on CPU (the interpreter).
     attention = tuning.default().attention
     assert [attention.decode(n, "cuda").least for n in (0, 1, 2, 16, 17, 99, 100, 4096)] == [
-        1, 1, 2, 2, 17, 17, 100, 100
+        1, 1, 1, 1, 17, 17, 100, 100
     ]  # fmt: skip
     assert attention.decode(1, "cuda").unsplit_keys == 160
-    assert attention.decode(2, "cuda").unsplit_keys == 0
+    assert attention.decode(16, "cuda").unsplit_keys == 160
+    assert attention.decode(17, "cuda").unsplit_keys == 0
     assert attention.decode(256, "cuda").maxnreg == 128
     assert attention.decode(64, "cuda").maxnreg is None
     assert attention.decode(256, "cpu") == attention.decode_cpu[0]
@@ -395,7 +442,13 @@ def test_unsplit_context():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launch, "sm_count", lambda device: 132)
         assert pa.unsplit_context(default, 1, 8, cuda) == 160
-        assert pa.unsplit_context(default, 4, 8, cuda) == 0
+        assert pa.unsplit_context(default, 16, 8, cuda) == 160
+        assert pa.unsplit_context(default, 17, 8, cuda) == 0
+        # 1-16 tokens split as one token does (a verification step as its decodes), from 17
+        # by the programs their tokens fill.
+        one = pa.choose_num_splits(default, 1, 8, 32768, cuda)
+        assert [pa.choose_num_splits(default, t, 8, 32768, cuda) for t in (2, 8, 16)] == [one] * 3
+        assert pa.choose_num_splits(default, 17, 8, 32768, cuda) < one
 
 
 def test_rejects_unsupported_head_dim():

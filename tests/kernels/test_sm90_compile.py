@@ -48,6 +48,33 @@ def test_tiled_kernel_compiles_for_sm90(num_splits: int):
 
 
 @pytest.mark.parametrize(
+    "num_splits,write_only", [(1, True), (4, False), (1, False)], ids=["write", "split", "one"]
+)
+def test_single_token_kernel_compiles_for_sm90(num_splits: int, write_only: bool):
+    """The decode kernel with the 1-16-token tier's unsplit bound (a short sequence takes one
+    split in a wide table), PDL and rotary as the engine launches it, and its write-only form
+    (the launch that writes a step's K/V before the rows of a verification step attend)."""
+    from compile_engine.kernels_generated.paged_attention.kernels import (
+        _paged_attention_kernel as kernel,
+    )
+
+    ws = "*fp32" if num_splits > 1 else "*bf16"
+    pointers = dict.fromkeys(["q_ptr", "k_new_ptr", "v_new_ptr", "k_cache_ptr", "v_cache_ptr",
+                              "out_ptr"], "*bf16")  # fmt: skip
+    pointers.update(m_ws_ptr=ws, l_ws_ptr=ws, acc_ws_ptr=ws, slot_mapping_ptr="*i64")
+    pointers.update(counters_ptr="*i32" if num_splits > 1 else "*bf16", k_scale_ptr="*fp32")
+    pointers.update(v_scale_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32")
+    pointers.update(query_start_loc_ptr="*i32", qk_scale="fp32", positions_ptr="*i64")
+    pointers.update(cos_sin_ptr="*fp32")
+    constants = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, KV_BLOCK_SIZE=16, BLOCK_N=64,
+                     NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=64, UNSPLIT_KEYS=160, COMBINE_G=4,
+                     COMBINE_S=min(8, num_splits), COMPUTE_F32=False, DOT_PRECISION="ieee",
+                     BY_SEQ=False, ROT_DIM=128, ROTARY=True, FP8_KV=False, PDL=True,
+                     WRITE_ONLY=write_only)  # fmt: skip
+    _compile_sm90(kernel, pointers, constants, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize(
     "bits,zp,fma,dequant,swap,x",
     [
         (4, False, True, False, False, "bf16"),
