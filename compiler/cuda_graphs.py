@@ -164,8 +164,10 @@ class CUDAGraphRunner:
         if decode_rows:
             if kernel_config is None:
                 raise ValueError("decode rows need the kernel config whose bound they follow")
-            limit = kernel_config.attention.write_first_max_tokens
-            self.decode_rows_max = min(limit, max_num_seqs)
+            self.decode_rows_max = kernel_config.attention.write_first_max_tokens
+            # A row a token needs as many sequence slots: an engine of fewer sequences (batch
+            # 1) still replays its verification steps as rows, padded slots costing nothing.
+            max_num_seqs = max(max_num_seqs, self.decode_rows_max)
         self.sizes = sorted(set(capture_sizes))
         self.short_widths = {
             size: width for size, width in (short_widths or {}).items() if size in self.sizes
@@ -222,12 +224,15 @@ class CUDAGraphRunner:
         widths = short_table_widths(
             counts, kernel_config, num_kv_heads, capture_sizes, block_size, max_blocks, device
         )
-        rows = prefill_rows(counts, kernel_config, capture_sizes, max_num_seqs)
+        decode_rows = any(counts.get(name) for name in PAGED_ATTENTION_PASSES)
+        slots = max_num_seqs  # the graphs' sequence slots: at least a row a token of a step
+        if decode_rows:  # that replays as rows (the constructor raises them as well)
+            slots = max(slots, kernel_config.attention.write_first_max_tokens)
+        rows = prefill_rows(counts, kernel_config, capture_sizes, slots)
         return cls(
             compiled, kv_caches, capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks, device=device, short_widths=widths,
-            prefill_rows=rows, kernel_config=kernel_config,
-            decode_rows=any(counts.get(name) for name in PAGED_ATTENTION_PASSES),
+            prefill_rows=rows, kernel_config=kernel_config, decode_rows=decode_rows,
         )  # fmt: skip
 
     def _keys(self) -> list[GraphKey]:

@@ -56,13 +56,17 @@ def test_for_compiled_sizes_the_tables_and_the_short_graphs(unsplit_48):
         compiled, [], capture_sizes=SIZES, max_num_seqs=4, max_model_len=1000, block_size=16,
         num_kv_heads=2, device=CPU,
     )  # fmt: skip
-    assert runner.block_tables.shape == (4, 63) and runner.short_widths == {1: 3, 2: 3}
+    # 16 sequence slots, not 4: a paged-attention forward replays steps of up to 16 tokens
+    # as a row a token (write_first_max_tokens).
+    assert runner.block_tables.shape == (16, 63) and runner.short_widths == {1: 3, 2: 3}
+    assert runner.decode_rows_max == 16
     compiled.pass_manager.match_counts = {"mla_absorb": 3}
     runner = CUDAGraphRunner.for_compiled(
         compiled, [], capture_sizes=SIZES, max_num_seqs=4, max_model_len=1000, block_size=16,
         num_kv_heads=2, device=CPU,
     )  # fmt: skip
-    assert runner.short_widths == {}
+    assert runner.short_widths == {} and runner.decode_rows_max == 0
+    assert runner.block_tables.shape == (4, 63)
 
 
 def test_widths_none_without_the_bound():
@@ -89,7 +93,7 @@ def _runner(
         lambda *args: None,
         [],
         capture_sizes=list(sizes),
-        max_num_seqs=8 if decode_rows else 4,
+        max_num_seqs=4,
         max_blocks_per_seq=20,
         device=CPU,
         short_widths=short_widths,
@@ -184,6 +188,8 @@ def test_a_verification_step_replays_as_one_token_rows():
     # tokens: replayed as one row a token over its sequence's table, each row's length the
     # keys its token sees, so that it attends as the one-token decode of that token.
     runner, replayed = _runner({}, sizes=(1, 4, 8), decode_rows=True)
+    # 4 sequences, but a row a token of up to 16 tokens needs 16 slots: the graphs have them.
+    assert runner.max_num_seqs == 16 and runner.block_tables.shape[0] == 16
     meta = _meta([40, 160], 3)
     meta.query_start_loc = torch.tensor([0, 4, 5], dtype=torch.int32)
     meta.slot_mapping = torch.arange(5)
@@ -202,6 +208,7 @@ def test_a_verification_step_replays_as_one_token_rows():
     # More tokens than write_first_max_tokens: the step as it came too.
     small = KernelConfig.coerce({"attention": {"write_first_max_tokens": 4}})
     bounded, _ = _runner({}, sizes=(1, 4, 8), decode_rows=True, kernel_config=small)
+    assert bounded.max_num_seqs == 4
     bounded.run(ids, ids, meta)
     assert bounded.seq_lens[:2].tolist() == [40, 160]
 

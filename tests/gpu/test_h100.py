@@ -98,18 +98,19 @@ def test_compiled_bf16_agrees_with_hf_bf16(llama8b_4layers, passes):
 
 # Mixed batches: a prompt chunk of a sequence with cached tokens beside 3 decodes. 23 tokens
 # replay the 24-token size's prefill graph (12 sequence slots, so its shapes pick the tiled
-# kernel, as the step's own do), as 12 tokens after 88 cached ones replay the 12-token size's;
-# 603 replay the 768-token graph, whose full shapes pick the tiled kernel already (no prefill
-# graph above 2 x max_num_seqs tokens). One decode token replays the 1-token
-# graph's short-context version (10 blocks, one split) while its context fits 160 keys, else
-# the full table's (split-KV); 3 decodes replay the 4-token graph, which has no short version.
+# kernel, as the step's own do); 12 tokens after 88 cached ones (at most 16 tokens) replay as
+# 12 one-token rows the 12-token size's short graph (7 blocks); 603 replay the 768-token
+# graph, whose full shapes pick the tiled kernel already (no prefill graph above 2 x
+# max_num_seqs tokens). One decode token replays the 1-token graph's short-context version
+# (10 blocks, one split) while its context fits 160 keys, else the full table's (split-KV);
+# 3 decodes within 160 keys replay the 4-token graph's short version.
 @pytest.mark.parametrize(
     ("lens", "new", "graph"),
     [
         ([25, 9, 17, 33], [20, 1, 1, 1], (24, None, 12)),
-        ([100], [12], (12, None, 6)),
+        ([100], [12], (12, 10, None)),
         ([700, 9, 17, 33], [600, 1, 1, 1], (768, None, None)),
-        ([150, 40, 160], [1, 1, 1], (4, None, None)),
+        ([150, 40, 160], [1, 1, 1], (4, 10, None)),
         ([100], [1], (1, 10, None)),
         ([160], [1], (1, 10, None)),
         ([161], [1], (1, None, None)),
@@ -123,7 +124,7 @@ def test_cuda_graph_replay_matches_compiled_without_graphs(llm_4layers, lens, ne
     graph_size = graph[0]
     assert runner.graphs is not None and graph_size in runner.graphs.sizes
     assert max(runner.graphs.sizes) == 1024
-    assert runner.graphs.short_widths == {1: 10}
+    assert runner.graphs.short_widths == dict.fromkeys([1, 2, 4, 8, 12, 16], 10)
     width = max(-(-n // 16) for n in lens)
     slots, ids, pos, starts, tables = [], [], [], [0], []
     next_block = 1
