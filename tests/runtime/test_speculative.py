@@ -548,7 +548,8 @@ def test_bench_speculative_replays_and_the_replay_is_no_users_method(llama, tmp_
     spec = dict(NGRAM, num_speculative_tokens=3, adaptive=False, min_acceptance_rate=0.0)
     assert speculative.main([*argv, "--speculative-config", json.dumps(spec)]) == 0
     profiles = sorted(p.name for p in (tmp_path / "p").iterdir())
-    assert profiles == [f"profile-bs{b}-{n}.txt" for b in (1, 2) for n in ("ceiling", "off", "zero")]
+    names = ("ceiling", "off", "zero")
+    assert profiles == [f"profile-bs{b}-{n}.txt" for b in (1, 2) for n in names]
     assert "function calls" in (tmp_path / "p" / "profile-bs1-ceiling.txt").read_text()
     (record,) = tmp_path.glob("speculative-replay-*.json")
     data = json.loads(record.read_text())
