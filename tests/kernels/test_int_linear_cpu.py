@@ -45,3 +45,30 @@ def test_int8_group_logits_equals_reference(rows: int) -> None:
     ours = int8_group_logits(x, codes, scale)
     want = quant_linear_ref(x, codes, scale, None, None, "int8:group32:none")
     torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_logits_rows_are_the_one_row_forms_bits() -> None:
+    # The quantized lm_head of 2-16 rows (speculative verification, small batches) runs the
+    # rows form at a padded row count; each row comes out the one-row GEMV's bits, so greedy
+    # speculation stays lossless, and more rows run the dynamic form, as close to the
+    # reference. Compiled: Inductor's fusion of the rows' reductions is what is checked.
+    import types
+
+    from compile_engine.kernels_generated.int_linear_cpu import LOGIT_ROWS, Q8Logits
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 320, 96
+    embedding = types.SimpleNamespace(
+        quant_scheme=QuantScheme.parse("int8:group32:none"),
+        weight=torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+        weight_scale=torch.rand(n, k // 32, generator=g) * 0.01,
+    )
+    logits = Q8Logits(embedding)
+    x = torch.randn(LOGIT_ROWS[-1] + 1, k, generator=g)
+    one = torch.cat([logits(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in (2, 3, 7, 16):
+        assert torch.equal(logits(x[:rows]), one[:rows]), rows
+    want = quant_linear_ref(
+        x, embedding.weight, embedding.weight_scale, None, None, "int8:group32:none"
+    )
+    torch.testing.assert_close(logits(x), want, rtol=1e-5, atol=1e-5)
