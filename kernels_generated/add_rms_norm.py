@@ -116,6 +116,9 @@ INTERPRETED = not isinstance(_rms_norm_kernel, JITFunction)
 # --------------------------------------------------------------------------- configs
 
 
+INVARIANT_ROWS = 16  # launches of at most this many rows share the one-row config
+
+
 def shape_key(num_rows: int, hidden: int) -> dict[str, int]:
     return {"H": hidden, "T": bucket_tokens(num_rows)}
 
@@ -205,7 +208,11 @@ def rms_norm_triton(
 
     target = TARGET_OF_DEVICE[x.device.type]
     kernel_config = kernel_config or tuning.default()
-    config = config_for(kernel_config.key, target, bucket_tokens(num_rows), hidden)
+    # Up to 16 rows take the one-row config: its warps set the sum's reduction tree, and a
+    # speculative verification step's rows must be normalised as one-row decode's are, bit
+    # for bit (issue 33; the nearest tuned entry of another width had 1 warp at 8 rows, 8 at 1).
+    rows_bucket = 1 if num_rows <= INVARIANT_ROWS else bucket_tokens(num_rows)
+    config = config_for(kernel_config.key, target, rows_bucket, hidden)
     rows_inner, sxo, sxi = _rows(x_k)
     _, sro, sri = _rows(r_k)
     _, soo, soi = _rows(out_k)

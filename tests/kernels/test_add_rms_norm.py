@@ -154,3 +154,26 @@ def test_gpu_qk_norm_rows_bf16():
     torch.testing.assert_close(
         k.rms_norm(q, w, 1e-6, KEY), rms_norm_ref(q, w, 1e-6), **norm_tolerance(torch.bfloat16)
     )
+
+
+def test_up_to_16_rows_take_the_one_row_config(monkeypatch: pytest.MonkeyPatch):
+    # The warps set the sum's reduction tree: a verification step's rows (2-16) must be
+    # normalised with the one-row decode's config (issue 33). The shipped table's nearest
+    # entry for SmolLM2's 576 at 8 rows is a 1-warp H=128 one, at 1 row the 8-warp H=4096.
+    table = ConfigTable.load(CONFIG_DIR / "add_rms_norm.json")
+    assert table.lookup("h100", {"H": 576, "T": 8}) != table.lookup("h100", {"H": 576, "T": 1})
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def config_for(key, target, rows_bucket, hidden):
+        asked.append(rows_bucket)
+        raise Stop
+
+    monkeypatch.setattr(k, "config_for", config_for)
+    monkeypatch.setattr(k, "_validate", lambda *args: None)  # CPU tensors: no launch follows
+    for rows in (1, 2, 8, 16, 17, 64):
+        with pytest.raises(Stop):
+            k.rms_norm_triton(torch.zeros(rows, 576), torch.ones(576), 1e-5)
+    assert asked == [1, 1, 1, 1, 32, 64]
