@@ -57,8 +57,8 @@ def test_greedy_speculative_equals_plain_with_cuda_graphs(tmp_path):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 33, open: 1 of the 8 prompts still differs from plain decode on the H200 "
-    "(5ce76ee; 4 of 8 before the graphs had 16 sequence slots, e8f4f0d)",
+    reason="issue 33, open: 1 of the 8 prompts still differed from plain decode on the H200 "
+    "at 5ce76ee (4 of 8 at e8f4f0d); f257d1c's norm rule not yet run on the GPU",
 )
 def test_greedy_ngram_on_smollm2_in_bf16_equals_plain_decode():
     """Issue 33's lossless target on the GPU: SmolLM2 in bfloat16, the shipped speculative
