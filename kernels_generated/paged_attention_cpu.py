@@ -86,9 +86,8 @@ def paged_attention_decode_cpu(
     decode graph (compiler/compiled_model.py) inlines it, so a decode step is one compiled
     graph, not 31 pieces with 30 eager attention calls between them. Valid only when every
     sequence has exactly one new token (T == B); the context is the block table's whole width
-    (the widest sequence's blocks, as the runner sizes it), masked by seq_lens: the same keys
-    reach softmax as in `paged_attention_cpu_impl`, the rest weigh zero (float32 rounding of
-    another summation order apart)."""
+    (the widest sequence's blocks, as the runner sizes it), masked by seq_lens, so the numbers
+    are `paged_attention_cpu_impl`'s: the same keys reach softmax, the rest weigh zero."""
     _, num_blocks, block_size, heads_kv, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads_kv, head_dim)
     new = torch.stack(
@@ -98,24 +97,21 @@ def paged_attention_decode_cpu(
         flat.view(torch.uint8)[:, slot_mapping] = new.view(torch.uint8)
     else:
         flat[:, slot_mapping] = new
-    # Softmax attention written out in reductions over the block table's keys, which Inductor
-    # fuses with the gather: each key is read from the cache where it lies, never copied into
-    # a [B, Hkv, L, D] context for SDPA. SmolLM2's heads over 600 keys on the 2-core Xeon: 84 /
-    # 194 us a layer at 1 / 4 rows against SDPA on the gathered context's 168 / 374 (on
-    # f257d1c); at 4 rows a verification step's gathers were a quarter of its time.
-    rows, width = q.shape[0], block_tables.shape[1] * block_size
-    group = q.shape[1] // heads_kv
-    keys = dequantize_kv(kv_cache[0][block_tables], k_scale, q.dtype)  # [B, nb, bs, Hkv, D]
-    values = dequantize_kv(kv_cache[1][block_tables], v_scale, q.dtype)
-    keys = keys.view(rows, width, heads_kv, 1, head_dim)
-    values = values.view(rows, width, heads_kv, 1, head_dim)
-    grouped = q.view(rows, 1, heads_kv, group, head_dim)  # query head h reads KV head h // G
-    scores = (grouped * keys).sum(-1) * scale  # [B, L, Hkv, G]
+    width = block_tables.shape[1] * block_size
+    context = kv_cache[:, block_tables].flatten(2, 3).transpose(2, 3)  # [2, B, Hkv, L, D]
+    keys = dequantize_kv(context[0], k_scale, q.dtype)
+    values = dequantize_kv(context[1], v_scale, q.dtype)
     positions = torch.arange(width, device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, :, None, None]  # [B, L, 1, 1]
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=1)
-    out = (weights[..., None] * values).sum(1)  # [B, Hkv, G, D]
-    return out.view(rows, heads_kv * group, head_dim)  # [T, Hq, D]
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)  # [T, Hq, D]
 
 
 # Registered through torch.library.Library with a CPU kernel, not `custom_op`: the latter's
