@@ -226,6 +226,12 @@ class CompiledForward:
         if head is None:
             head = getattr(getattr(model, "model", None), "embed_tokens", None)
         self._head = head if type(head) in (LMHead, Embedding) else None
+        self._head_linear = None
+        if self._head is not None and config.target != "cpu":
+            # Imported only here: triton is no import of a CPU engine's.
+            from compile_engine.kernels_generated.skinny_gemm import tuned_linear
+
+            self._head_linear = tuned_linear
         # What Inductor's caches did during capture (counts of pieces): at load every piece
         # should be an AOTAutograd hit, which implies an FX-graph hit and no compile.
         self.cache_stats: dict[str, int] = {}
@@ -324,11 +330,8 @@ class CompiledForward:
         nothing is tuned)."""
         if self._logits is not None:
             return self._logits(hidden)
-        if self._head is not None and hidden.is_cuda:
-            # Imported here: triton is no import of a CPU engine's.
-            from compile_engine.kernels_generated.skinny_gemm import tuned_linear
-
-            return tuned_linear(self.config.kernel, hidden, self._head.weight)
+        if self._head_linear is not None and hidden.is_cuda:
+            return self._head_linear(self.config.kernel, hidden, self._head.weight)
         return self.model.compute_logits(hidden)
 
     @property

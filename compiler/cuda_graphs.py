@@ -137,6 +137,15 @@ def prefill_rows(
     return rows
 
 
+def sequence_slots(max_num_seqs: int, kernel_config: KernelConfig, decode_rows: bool) -> int:
+    """The graphs' sequence slots: max_num_seqs, and with decode rows at least a row a token
+    of a step that replays as rows, so that an engine of fewer sequences (batch 1) replays its
+    verification steps as rows too (padded slots cost nothing)."""
+    if not decode_rows:
+        return max_num_seqs
+    return max(max_num_seqs, kernel_config.attention.write_first_max_tokens)
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
@@ -165,9 +174,7 @@ class CUDAGraphRunner:
             if kernel_config is None:
                 raise ValueError("decode rows need the kernel config whose bound they follow")
             self.decode_rows_max = kernel_config.attention.write_first_max_tokens
-            # A row a token needs as many sequence slots: an engine of fewer sequences (batch
-            # 1) still replays its verification steps as rows, padded slots costing nothing.
-            max_num_seqs = max(max_num_seqs, self.decode_rows_max)
+            max_num_seqs = sequence_slots(max_num_seqs, kernel_config, decode_rows)
         self.sizes = sorted(set(capture_sizes))
         self.short_widths = {
             size: width for size, width in (short_widths or {}).items() if size in self.sizes
@@ -225,9 +232,7 @@ class CUDAGraphRunner:
             counts, kernel_config, num_kv_heads, capture_sizes, block_size, max_blocks, device
         )
         decode_rows = any(counts.get(name) for name in PAGED_ATTENTION_PASSES)
-        slots = max_num_seqs  # the graphs' sequence slots: at least a row a token of a step
-        if decode_rows:  # that replays as rows (the constructor raises them as well)
-            slots = max(slots, kernel_config.attention.write_first_max_tokens)
+        slots = sequence_slots(max_num_seqs, kernel_config, decode_rows)
         rows = prefill_rows(counts, kernel_config, capture_sizes, slots)
         return cls(
             compiled, kv_caches, capture_sizes=capture_sizes, max_num_seqs=max_num_seqs,
