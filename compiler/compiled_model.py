@@ -143,13 +143,14 @@ def dummy_decode_batch(
     return torch.arange(num_seqs, device=device) % vocab_size, positions, meta
 
 
-def _compile_forward(model: nn.Module, backend: PiecewiseBackend):
-    """model.forward under torch.compile with `backend`: one graph, every guard dropped."""
+def _compile_forward(model: nn.Module, backend: PiecewiseBackend, dynamic: bool | None = False):
+    """model.forward under torch.compile with `backend`: one graph, every guard dropped.
+    `dynamic=None` lets the capture duck-size the dims it leaves unmarked (see capture)."""
     return torch.compile(
         _own_code_object(model.forward),
         backend=backend,
         fullgraph=True,
-        dynamic=False,
+        dynamic=dynamic,
         options={"guard_filter_fn": _drop_all_guards},
     )
 
@@ -205,7 +206,7 @@ class CompiledForward:
         if config.target == "cpu":
             ctx = PassContext(config.target, dtype, config.kernel, decode_only=True)
             self.decode_backend = PiecewiseBackend(PassManager(select(config.passes), ctx))
-            self._decode_fn = _compile_forward(model, self.decode_backend)
+            self._decode_fn = _compile_forward(model, self.decode_backend, dynamic=None)
         self.capture_seconds = 0.0
         # A quantized tied lm_head (GGUF Q8_0) on the CPU: its GEMV compiled apart, since the
         # lm_head runs outside the graph (kernels_generated/int_linear_cpu.py says why).
@@ -289,9 +290,15 @@ class CompiledForward:
                 torch._dynamo.mark_dynamic(meta.block_tables, 1)
                 # The pool's block count too: the graph holds the cache write, and an artifact
                 # built with one pool size serves another (its pieces never see the cache).
+                # One symbol for every layer's count (Dynamo's duck sizing, which marked
+                # dims do not get): the layers' attention reads are one shared subgraph
+                # (kernels_generated/paged_attention_cpu.py), whose inputs must agree.
                 for cache in kv_caches:
-                    torch._dynamo.mark_dynamic(cache, 1)
-                self._decode_fn(ids, positions, kv_caches, meta)
+                    for dim in range(cache.dim()):
+                        if dim != 1:
+                            torch._dynamo.mark_static(cache, dim)
+                with dynamo_config.patch(assume_static_by_default=False):
+                    self._decode_fn(ids, positions, kv_caches, meta)
             if self._logits is not None:
                 self._logits.warm(
                     self.model.config.hidden_size, self.model.model.embed_tokens.dtype

@@ -76,6 +76,37 @@ def test_decode_form_compiled() -> None:
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
 
 
+def test_every_layers_decode_read_traces_to_one_shared_subgraph() -> None:
+    # AOTAutograd traces the decode graph's attention (passes/paged_attention_cpu.py); each
+    # layer's read must become a call of one subgraph, which Inductor compiles once: inlined,
+    # 30 copies of the fused reductions cost a cold SmolLM2 start 25-31 s. The cache writes
+    # stay in the graph, and the traced graph computes what the eager calls do.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, cache, slots, tables, lens, starts = batch([1, 1], [37, 9], torch.float32)
+
+    def two_layers(q, k, v, first, second):
+        mid = paged_attention_decode_cpu(
+            q, k, v, first, slots, tables, lens, starts, 0.125, None, None, ""
+        )
+        return paged_attention_decode_cpu(
+            mid, k, v, second, slots, tables, lens, starts, 0.125, None, None, ""
+        )
+
+    first, second = cache.clone(), cache.clone() * 2
+    # Under a tracing context, as AOTAutograd traces: it holds the subgraph cache.
+    with torch._guards.tracing(torch._guards.TracingContext(None)):
+        gm = make_fx(two_layers)(q, k, v, first.clone(), second.clone())
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 2
+    assert calls[0].args[0].target == calls[1].args[0].target  # one subgraph, called twice
+    traced_caches = first.clone(), second.clone()
+    torch.testing.assert_close(
+        gm(q, k, v, *traced_caches), two_layers(q, k, v, first, second), rtol=0, atol=0
+    )
+    assert torch.equal(traced_caches[0], first) and torch.equal(traced_caches[1], second)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "q_lens,ctx", [([5], [37]), ([3, 1, 5], [20, 9, 16]), ([16, 2], [40, 2]), ([4], [4])]
