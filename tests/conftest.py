@@ -17,6 +17,13 @@ os.environ.setdefault(
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Under pytest-xdist (README.md runs two workers on CI's two cores) each worker computes on one
+# thread: two workers of two OpenMP threads each would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked interpreted_child("VAR") run only in a child pytest whose environment sets
