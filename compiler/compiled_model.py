@@ -24,10 +24,11 @@ from torch import nn
 from compile_engine.compiler.backend import PiecewiseBackend
 from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
 from compile_engine.kernels_generated.int_linear_cpu import Q8Logits
+from compile_engine.kernels_generated.vnni_linear_cpu import VnniLogits
 from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_decode_cpu
 from compile_engine.models import vocabulary
 from compile_engine.models.layers import AttentionMetadata, Embedding, LMHead
-from compile_engine.models.quant import QuantEmbedding
+from compile_engine.models.quant import QuantEmbedding, QuantLinear
 from compile_engine.passes.base import PassContext
 from compile_engine.passes.manager import PassManager
 from compile_engine.passes.registry import select
@@ -218,7 +219,14 @@ class CompiledForward:
             and getattr(model, "lm_head", True) is None
             and embed.quant_scheme.weight == "int8"
         ):
-            self._logits = Q8Logits(embed)
+            # Our VNNI kernel where the decoder's linears run it too (the loader chose the
+            # vnni_cpu layout for this CPU), else the compiled Inductor GEMV.
+            vnni = any(
+                isinstance(m, QuantLinear) and m.quant_scheme.layout == "vnni_cpu"
+                for m in model.modules()
+            )
+            use_vnni = vnni and VnniLogits.runs(embed)
+            self._logits = VnniLogits(embed) if use_vnni else Q8Logits(embed)
         # The lm_head runs outside the graph. On CUDA a plain one takes the skinny GEMM
         # table's choice as the graph's linears do: a table written with `bench gemm
         # --shared-rows` computes each row of a verification step's logits as the one-row

@@ -39,6 +39,7 @@ from compile_engine.models.quant import (
     gguf_quant_config,
     quant_config,
     quantize_model,
+    vnni_cpu_supported,
 )
 from compile_engine.models.registry import model_class
 
@@ -413,20 +414,27 @@ def dequantized_dtype(device: torch.device) -> torch.dtype:
 def gguf_quantization(
     checkpoint, device: torch.device, dtype: torch.dtype, quantization: str | None
 ) -> QuantConfig | None:
-    """How a GGUF file runs: kept quantized (its projections int4/int8 quant_linears in
-    ATen's CPU int4 layout, its Q8_0 embedding a QuantEmbedding) on a CPU that multiplies
-    bfloat16, the default there (dtype "auto"; issue 29, docs/compiler.md); None, dequantized,
-    for an explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on CUDA (no GPU int4
-    kernel yet), on a CPU without bfloat16 (the ATen kernel's float32 path is 30x slower) and with
-    quantization="fp8" (online FP8 of the dequantized weights)."""
+    """How a GGUF file runs: kept quantized (its projections int4/int8 quant_linears, its Q8_0
+    embedding a QuantEmbedding) by default on a CPU (dtype "auto"; issue 29, docs/compiler.md):
+    in the vnni_cpu layout (our AVX-512 VNNI kernel, activations quantized per group) where the
+    CPU has VNNI, else in ATen's CPU int4 layout where it multiplies bfloat16. None, dequantized,
+    for an explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on CUDA (no GPU kernel
+    for GGUF's formats yet), on a CPU with neither (ATen's float32 int4 path is 30x slower) and
+    with quantization="fp8" (online FP8 of the dequantized weights)."""
     from compile_engine.models.gguf import QUANTIZED_TYPES
 
-    if device.type != "cpu" or dtype != torch.bfloat16 or quantization is not None:
+    if device.type != "cpu" or quantization is not None:
+        return None
+    if vnni_cpu_supported():
+        layout = "vnni_cpu"
+    elif dtype == torch.bfloat16:
+        layout = "int4pack_cpu"
+    else:
         return None
     types = checkpoint.tensor_types()
     if not any(t in QUANTIZED_TYPES for t in types.values()):
         return None  # an F32 / F16 file
-    return gguf_quant_config(types, QUANTIZED_TYPES, "int4pack_cpu")
+    return gguf_quant_config(types, QUANTIZED_TYPES, layout)
 
 
 def load_model(

@@ -45,7 +45,10 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -60,18 +63,28 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12
 
 WEIGHT_SCALES = ("tensor", "channel", "block", "group")
-ACTIVATIONS = ("none", "token", "tensor")
+# int16_group: 16 bits, dynamic, one scale (amax / 32512) per row and group of the weight's
+# group columns: what the vnni_cpu layout's integer dot products take (csrc/vnni_linear.cpp).
+# int8 there (llama.cpp's Q8 activations) agreed 96.8% top-1 with SmolLM2's file in float32.
+ACTIVATIONS = ("none", "token", "tensor", "int16_group")
 INT_WEIGHTS = ("int8", "uint8", "int4", "uint4", "uint4_zp", "uint8_zp")  # weight-only, per group
 INT_BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "uint4_zp": 4, "uint8_zp": 8}
 WEIGHTS = ("fp8_e4m3", *INT_WEIGHTS)
 GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF Q6_K's sub-blocks
-LAYOUTS = ("plain", "int4pack_cpu")
+LAYOUTS = ("plain", "int4pack_cpu", "vnni_cpu")
 # What ATen's CPU int4 GEMM computes in (its input, scales and output): its fast path; float16
 # and float32 inputs take scalar loops 30-60x slower (kernels_generated/int_linear_cpu.py). A
 # float32 model casts around it (issue 29: the residual stream in float32).
 INT4PACK_DTYPE = torch.bfloat16
 # ATen's CPU int4 layout packs rows in blocks of this many.
 INT4PACK_BLOCK_N = 64
+# The vnni_cpu layout (kernels_generated/csrc/vnni_linear.cpp): rows in blocks of 16 (one
+# int32 lane each), groups of 32 columns, activations quantized per group too.
+VNNI_BLOCK_N = 16
+VNNI_GROUP = 32
+VNNI_WEIGHTS = ("int4", "uint4", "int8")
+# What a vnni_cpu code is offset by from the scheme's own (int8's signed codes stored unsigned).
+VNNI_CODE_OFFSET = {"int4": 0, "uint4": 0, "int8": 128}
 
 
 class QuantizationError(UnsupportedModelError):
@@ -115,6 +128,15 @@ class QuantScheme:
                     f"{'/'.join(map(str, GROUP_SIZES))} columns, not {self.weight_scale} "
                     f"(group {self.group})"
                 )
+            if self.layout == "vnni_cpu":
+                if self.weight not in VNNI_WEIGHTS or self.group != VNNI_GROUP:
+                    raise QuantizationError(
+                        f"the vnni_cpu layout holds {', '.join(VNNI_WEIGHTS)} weights in groups "
+                        f"of {VNNI_GROUP}, not {self.weight} group {self.group}"
+                    )
+                if self.activation != "int16_group":
+                    raise QuantizationError("the vnni_cpu layout quantizes activations: int16_group")
+                return
             if self.activation != "none":
                 raise QuantizationError(f"{self.weight} weights are weight-only (activation none)")
             if self.layout == "int4pack_cpu" and self.weight not in ("int4", "uint4"):
@@ -183,6 +205,8 @@ class QuantScheme:
 
     @property
     def weight_dtype(self) -> torch.dtype:
+        if self.layout == "vnni_cpu":
+            return torch.uint8  # int8 codes stored offset by 128
         return {"fp8_e4m3": FP8_DTYPE, "int8": torch.int8}.get(self.weight, torch.uint8)
 
     def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
@@ -194,6 +218,8 @@ class QuantScheme:
             groups = in_features // self.group
             if self.layout == "int4pack_cpu":
                 return (groups, out_features, 2)
+            if self.layout == "vnni_cpu":
+                return (out_features // VNNI_BLOCK_N, groups, 2, VNNI_BLOCK_N)
             return (out_features, groups, 2) if self.scale_pairs else (out_features, groups)
         bn, bk = self.block
         return (-(-out_features // bn), -(-in_features // bk))
@@ -206,10 +232,11 @@ class QuantScheme:
             raise QuantizationError(
                 f"{in_features} input features do not divide into groups of {self.group}"
             )
-        if self.layout == "int4pack_cpu" and out_features % INT4PACK_BLOCK_N:
+        block = {"int4pack_cpu": INT4PACK_BLOCK_N, "vnni_cpu": VNNI_BLOCK_N}.get(self.layout)
+        if block is not None and out_features % block:
             raise QuantizationError(
-                f"{out_features} output features: the int4pack_cpu layout packs rows in blocks "
-                f"of {INT4PACK_BLOCK_N}; use --dtype float32 for this model"
+                f"{out_features} output features: the {self.layout} layout packs rows in blocks "
+                f"of {block}; use --dtype float32 for this model"
             )
 
 
@@ -270,6 +297,83 @@ def unpack_int4(weight: Tensor, layout: str) -> Tensor:
     return torch.cat([low, high], dim=1).reshape(n, 2 * half)
 
 
+def vnni_cpu_supported() -> bool:
+    """Whether this machine runs the vnni_cpu layout's kernel: an x86 CPU with AVX-512 VNNI
+    (Intel since Cascade Lake, AMD since Zen 4) on Linux, and a C++ compiler to build it with
+    (kernels_generated/vnni_linear_cpu.py builds it once into the cache)."""
+    if not sys.platform.startswith("linux") or shutil.which("g++") is None:
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
+
+
+def pack_vnni(codes: Tensor, bits: int) -> Tensor:
+    """Codes [N, K] (uint8: 4-bit 0..15, or 8-bit offset to 0..255) -> the vnni_cpu layout's
+    bytes, [N, K / 2] or [N, K]: per block of 16 rows and group of 32 columns, 64-byte vectors
+    whose lane j holds row j's codes k..k+3 (8-bit; k = 4p), or k..k+3 in the low nibbles and
+    k+4..k+7 in the high ones (4-bit; k = 8p)."""
+    codes = codes.to(torch.uint8)
+    n, k = codes.shape
+    blocks, groups = n // VNNI_BLOCK_N, k // VNNI_GROUP
+    if bits == 8:
+        lanes = codes.view(blocks, VNNI_BLOCK_N, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        return lanes.reshape(n, k)
+    lanes = codes.view(blocks, VNNI_BLOCK_N, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    return (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_vnni(weight: Tensor, bits: int) -> Tensor:
+    """pack_vnni's inverse: the layout's bytes -> codes [N, K] (uint8)."""
+    n = weight.shape[0]
+    k = weight.shape[1] * (8 // bits)
+    blocks, groups = n // VNNI_BLOCK_N, k // VNNI_GROUP
+    if bits == 8:
+        lanes = weight.reshape(blocks, groups, 8, VNNI_BLOCK_N, 4).permute(0, 3, 1, 2, 4)
+        return lanes.reshape(n, k)
+    packed = weight.reshape(blocks, groups, 4, VNNI_BLOCK_N, 4)
+    lanes = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [B, G, 4, 16, 4, 2]
+    return lanes.permute(0, 3, 1, 2, 5, 4).reshape(n, k)
+
+
+def vnni_scales(scale: Tensor, scheme: QuantScheme) -> Tensor:
+    """Plain-layout scales ([N, G] or [N, G, 2] (s, m), float32) -> vnni_cpu's (s, m)
+    [N / 16, G, 2, 16] for w = s * u + m over the stored codes u: m = -8 s for int4, -128 s
+    for int8 (its codes stored + 128); both exact."""
+    if scheme.has_min:
+        s, m = scale[..., 0].float(), scale[..., 1].float()
+    else:
+        s = scale.float()
+        m = -float(8 if scheme.weight == "int4" else 128) * s
+    n, groups = s.shape
+    pairs = torch.stack([s, m], dim=-1).view(n // VNNI_BLOCK_N, VNNI_BLOCK_N, groups, 2)
+    return pairs.permute(0, 2, 3, 1).contiguous()
+
+
+def unvnni_scales(scale: Tensor) -> Tensor:
+    """vnni_cpu's scales [N / 16, G, 2, 16] -> (s, m) [N, G, 2]."""
+    blocks, groups = scale.shape[:2]
+    return scale.permute(0, 3, 1, 2).reshape(blocks * VNNI_BLOCK_N, groups, 2)
+
+
+# The int16_group activation's largest code: 127 * 256, so that the kernel's high byte fits.
+INT16_GROUP_LEVELS = 32512
+
+
+def quantize_int16_groups_ref(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (q int16 [..., K], d float32 [..., K / group]): per group
+    d = amax / 32512 and q = round(x / d) (half to even), an all-zero group zeros; x ~= q * d."""
+    xf = x.float()
+    g = xf.reshape(*xf.shape[:-1], xf.shape[-1] // group, group)
+    d = g.abs().amax(dim=-1, keepdim=True) / INT16_GROUP_LEVELS
+    q = torch.where(d > 0, torch.round(g / torch.where(d > 0, d, 1.0)), 0.0)
+    return q.to(torch.int16).reshape(xf.shape), d.squeeze(-1)
+
+
 def int4pack_scales(scale: Tensor, scheme: QuantScheme, dtype: torch.dtype) -> Tensor:
     """Plain-layout scales ([N, G] or [N, G, 2] (s, m), float32) -> int4pack_cpu's (scale,
     zero) [G, N, 2] in `dtype`, with w = (q - 8) * scale + zero: zero = m + 8 s (0 for int4)."""
@@ -284,10 +388,18 @@ def int4pack_scales(scale: Tensor, scheme: QuantScheme, dtype: torch.dtype) -> T
 def dequantize_int_ref(weight: Tensor, scale: Tensor, scheme: QuantScheme) -> Tensor:
     """An integer weight (the scheme's format and layout) -> float32 [N, K], rounded as gguf's
     dequantize rounds: the product, then the offset."""
-    codes = unpack_int4(weight, scheme.layout) if scheme.bits == 4 else weight
+    if scheme.layout == "vnni_cpu":
+        codes = unpack_vnni(weight, scheme.bits)
+        scale = unvnni_scales(scale)
+        if not scheme.has_min:  # the scheme's own formula, its one product: the file's weight
+            scale = scale[..., 0]
+    else:
+        codes = unpack_int4(weight, scheme.layout) if scheme.bits == 4 else weight
     n, k = codes.shape
     groups = k // scheme.group
     q = codes.float().reshape(n, groups, scheme.group)  # [N, G, g]
+    if scheme.layout == "vnni_cpu" and scheme.weight == "int8":
+        q = q - VNNI_CODE_OFFSET["int8"]
     if scheme.layout == "int4pack_cpu":
         s, zero = scale.float().transpose(0, 1).unbind(-1)  # [N, G] each
         return ((q - 8) * s[..., None] + zero[..., None]).reshape(n, k)
@@ -321,6 +433,9 @@ def quant_linear_ref(
         xf = x.to(INT4PACK_DTYPE).float()
     elif parsed.activation == "none":
         xf = x.float()
+    elif parsed.activation == "int16_group":
+        q, d = quantize_int16_groups_ref(x, parsed.group)
+        xf = (q.float().unflatten(-1, (-1, parsed.group)) * d[..., None]).flatten(-2)
     else:
         static = input_scale if parsed.activation == "tensor" else None
         q, scale = quantize_fp8_ref(x, static)
@@ -567,18 +682,21 @@ class QuantLinear(nn.Module):
         byte), `weight_scale` as float32 [n, G] or [n, G, 2] (s, m); packed to the layout."""
         scheme = self.quant_scheme
         rows, k = end - start, self.in_features
-        if scheme.layout == "int4pack_cpu" and (
-            start % INT4PACK_BLOCK_N or rows % INT4PACK_BLOCK_N
-        ):
+        block = {"int4pack_cpu": INT4PACK_BLOCK_N, "vnni_cpu": VNNI_BLOCK_N}.get(scheme.layout)
+        if block is not None and (start % block or rows % block):
             raise CheckpointError(
-                f"tensor {name}: rows {start}:{end} do not fall on the int4pack_cpu layout's "
-                f"blocks of {INT4PACK_BLOCK_N}"
+                f"tensor {name}: rows {start}:{end} do not fall on the {scheme.layout} layout's "
+                f"blocks of {block}"
             )
         if param is self.weight:
             if tuple(tensor.shape) != (rows, k):
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the model "
                                       f"expects {(rows, k)} {scheme.weight} codes")  # fmt: skip
-            if scheme.bits == 8:
+            if scheme.layout == "vnni_cpu":
+                offset = VNNI_CODE_OFFSET[scheme.weight]
+                codes = (tensor.to(torch.int16) + offset).to(torch.uint8)
+                param[start:end].copy_(pack_vnni(codes, scheme.bits))
+            elif scheme.bits == 8:
                 param[start:end].copy_(tensor.view(scheme.weight_dtype))
             elif scheme.layout == "plain":
                 param[start:end].copy_(pack_int4(tensor, "plain"))
@@ -593,6 +711,8 @@ class QuantLinear(nn.Module):
                                   f"expects {want} group scales")  # fmt: skip
         if scheme.layout == "int4pack_cpu":
             param[:, start:end].copy_(int4pack_scales(tensor, scheme, param.dtype))
+        elif scheme.layout == "vnni_cpu":
+            param[start // VNNI_BLOCK_N : end // VNNI_BLOCK_N].copy_(vnni_scales(tensor, scheme))
         else:
             param[start:end].copy_(tensor)
 
@@ -1011,9 +1131,12 @@ def gguf_quant_config(types: dict[str, str], formats: dict[str, str], layout: st
             "file dequantized"
         )
     weight = formats[next(iter(projections))]
-    bits4 = weight.endswith("4")
-    scheme = QuantScheme("group", "none", weight=weight, group=32,
-                         layout=layout if bits4 else "plain")  # fmt: skip
+    if layout == "vnni_cpu":  # every format it holds, activations quantized per group
+        scheme = QuantScheme("group", "int16_group", weight=weight, group=32, layout=layout)
+    else:
+        bits4 = weight.endswith("4")
+        scheme = QuantScheme("group", "none", weight=weight, group=32,
+                             layout=layout if bits4 else "plain")  # fmt: skip
     embd = formats.get(types.get("model.embed_tokens.weight", ""))
     embedding = QuantScheme("group", "none", weight=embd, group=32) if embd else None
     return QuantConfig("gguf", scheme, embedding=embedding)

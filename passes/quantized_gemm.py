@@ -23,9 +23,12 @@ On h100, integer weight-only schemes (GPTQ / AWQ / compressed-tensors int4 and i
 count (fma / skinny / tensor-core tiles, configs/int_gemm.json); the GGUF (s, m) formats (uint4,
 uint8), which the loader only keeps quantized on the CPU, fall back to the reference.
 
-On cpu: 4-bit weights in the int4pack_cpu layout (a GGUF file's Q4_0 / Q4_1 projections,
-kept quantized: models/loader.py) -> `int4pack_linear` (kernels_generated/int_linear_cpu.py:
-ATen's int4 GEMM, dequantizing in registers); anything else -> the reference (`quant_linear_ref`:
+On cpu: weights in the vnni_cpu layout (a GGUF file's Q4_0 / Q4_1 / Q8_0 projections, kept
+quantized where the CPU has AVX-512 VNNI: models/loader.py) -> `vnni_linear`
+(kernels_generated/vnni_linear_cpu.py: our C++ kernel, 16-bit activations times the 4- or
+8-bit codes in int32); 4-bit weights in the int4pack_cpu layout (the same files on a CPU with bfloat16
+but no VNNI) -> `int4pack_linear` (kernels_generated/int_linear_cpu.py: ATen's int4 GEMM,
+dequantizing in registers); anything else -> the reference (`quant_linear_ref`:
 dequantize, matmul in float32), which Inductor traces and fuses like any other, so a CPU build
 runs FP8 and int8 checkpoints exactly as the oracle does.
 
@@ -42,6 +45,7 @@ import operator
 import torch
 from torch import fx
 
+from compile_engine.kernels_generated import vnni_linear_cpu
 from compile_engine.kernels_generated.int_linear_cpu import int4pack_linear
 from compile_engine.models.ops import silu_and_mul_ref
 from compile_engine.models.quant import QuantScheme, quant_linear_ref
@@ -56,7 +60,7 @@ class QuantizedGemm(GraphPass):
     name = "quantized_gemm"
     description = (
         "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm, int4/int8 "
-        "dequantizing Triton GEMM (h100); ATen int4 GEMM for 4-bit, else ref (cpu)"
+        "dequantizing Triton GEMM (h100); VNNI W4A8/W8A8, ATen int4 GEMM, else ref (cpu)"
     )
     targets = ("cpu", "h100")
     kernel_files = (
@@ -64,6 +68,8 @@ class QuantizedGemm(GraphPass):
         "kernels_generated/skinny_gemm.py",
         "kernels_generated/configs/fp8_gemm.json",
         "kernels_generated/int_linear_cpu.py",
+        "kernels_generated/vnni_linear_cpu.py",
+        "kernels_generated/csrc/vnni_linear.cpp",
         "kernels_generated/int_linear.py",
         "kernels_generated/configs/int_gemm.json",
     )
@@ -75,10 +81,13 @@ class QuantizedGemm(GraphPass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> int:
         nodes = op_nodes(graph, "quant_linear")
         if ctx.target == "cpu":
+            lowering = {"vnni_cpu": vnni_linear_cpu.vnni_linear, "int4pack_cpu": int4pack_linear}
             for node in nodes:
-                # 4-bit weights in ATen's CPU layout: its int4 GEMM; the rest: the reference.
+                # Our VNNI kernel, ATen's int4 GEMM, by the weight's layout; else the reference.
                 layout = QuantScheme.parse(node.args[5]).layout
-                node.target = int4pack_linear if layout == "int4pack_cpu" else quant_linear_ref
+                if layout == "vnni_cpu":
+                    vnni_linear_cpu.load()  # registers the op the traced graph calls
+                node.target = lowering.get(layout, quant_linear_ref)
             return len(nodes)
         import compile_engine.kernels_generated.fp8_linear  # noqa: F401  (registers the op)
         from compile_engine.kernels_generated.int_linear import KERNEL_WEIGHTS  # registers the op

@@ -1,5 +1,5 @@
 """A quantized GGUF file through the compiled CPU engine (issue 29): it runs kept quantized by
-default (ATen's int4 GEMM in the graph, the compiled Q8_0 lm_head), its greedy tokens are what
+default (our VNNI kernel, or ATen's int4 GEMM, in the graph; the Q8_0 lm_head apart), its greedy tokens are what
 the eager references predict teacher-forced, the build records the quantization, and
 `dtype="float32"` keeps the dequantized path. One tiny compiled engine (~20 s on 2 cores)."""
 
@@ -12,11 +12,16 @@ from gguf_models import tiny_llama_weights, write_quantized_gguf
 from compile_engine import LLM, SamplingParams
 from compile_engine.benchmarks.quant_accuracy import logits_over
 from compile_engine.models.loader import dequantized_dtype, load_model
-from compile_engine.models.quant import QuantEmbedding, QuantLinear, quantized_layers
+from compile_engine.models.quant import (
+    QuantEmbedding,
+    QuantLinear,
+    quantized_layers,
+    vnni_cpu_supported,
+)
 
 pytestmark = pytest.mark.skipif(
-    dequantized_dtype(torch.device("cpu")) != torch.bfloat16,
-    reason="GGUF stays quantized only where the CPU multiplies bfloat16",
+    dequantized_dtype(torch.device("cpu")) != torch.bfloat16 and not vnni_cpu_supported(),
+    reason="GGUF stays quantized only where the CPU has VNNI or multiplies bfloat16",
 )
 
 
@@ -29,9 +34,15 @@ def q4_file(tmp_path_factory):
 def test_compiled_engine_runs_kept_quantized_and_matches_the_references(q4_file) -> None:
     llm = LLM(str(q4_file), target="cpu", max_model_len=128, max_num_seqs=4)
     loaded = llm.engine.loaded
-    # float32 around the int4 GEMMs, which compute in bfloat16 (models/quant.py)
+    # float32 around the integer GEMMs: our VNNI kernel's where the CPU has it, else ATen's
+    # int4 GEMM, which computes in bfloat16 (models/quant.py)
     assert loaded.dtype == torch.float32 and loaded.quant.method == "gguf"
-    assert str(loaded.quant.scheme) == "uint4:group32:none:int4pack_cpu"
+    expected = (
+        "uint4:group32:int16_group:vnni_cpu"
+        if vnni_cpu_supported()
+        else "uint4:group32:none:int4pack_cpu"
+    )
+    assert str(loaded.quant.scheme) == expected
     assert isinstance(loaded.model.model.embed_tokens, QuantEmbedding)
     record = quantized_layers(loaded.model, loaded.quant)
     assert record["embedding"] == "int8:group32:none" and len(record["layers"]) == 9

@@ -1,0 +1,146 @@
+"""The vnni_cpu layout's GEMM (issue 29): 4- and 8-bit GGUF weights times 16-bit activations on
+AVX-512 VNNI, what the quantized GEMM pass lowers a vnni_cpu `ce.quant_linear` to, and the
+quantized tied lm_head's logits.
+
+The kernel is C++ (csrc/vnni_linear.cpp says its arithmetic and layout), built once per source,
+torch and compiler into the cache directory with the machine's g++ and loaded as the
+`ce_cpu::vnni_linear` op; its oracle is `quant_linear_ref` (dequantize the weight, quantize and
+dequantize the activation per group of 32, matmul in float32), which it matches but for the
+order floats are added (tests/kernels/test_vnni_linear_cpu.py).
+
+Why ours: ATen's CPU int4 GEMM dequantizes to bfloat16 and runs float FMAs, and per row. One
+SmolLM2 layer's four linears on the 2-core EPYC (Zen 4, min of 5 x 50 calls, us) at 1 / 16
+rows: ATen int4 124 / 746, this kernel 64 / 394; the [49152, 576] Q8_0 lm_head 1,037 / 5,874
+here against 10.6 ms a 16-row step in the compiled Inductor form it replaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from compile_engine.models.quant import (
+    VNNI_BLOCK_N,
+    VNNI_CODE_OFFSET,
+    VNNI_GROUP,
+    QuantScheme,
+    pack_vnni,
+    vnni_scales,
+)
+
+SOURCE = Path(__file__).parent / "csrc" / "vnni_linear.cpp"
+CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp",
+             "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")  # fmt: skip
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernel did not build; the message has the compiler's output."""
+
+
+def extension_dir() -> Path:
+    """Where built kernels are kept: beside the Inductor cache (COMPILE_ENGINE_CACHE_DIR's
+    parent when it is set, else ~/.cache/compile-engine)."""
+    if override := os.environ.get("COMPILE_ENGINE_CACHE_DIR"):
+        return Path(override).parent / "cpp_extensions"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "compile-engine" / "cpp_extensions"
+
+
+def _compile_command(output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = ["g++", *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE), "-o", str(output)]
+    command += [f"-I{path}" for path in include_paths()]
+    command += [f"-I{sysconfig.get_paths()['include']}"]
+    # torch's own libgomp (same soname), so the kernel's threads are torch.set_num_threads's.
+    command += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-lgomp", f"-Wl,-rpath,{torch_lib}"]
+    return command
+
+
+@functools.cache
+def load() -> None:
+    """Build (once per source, torch version and flags) and load `ce_cpu::vnni_linear`."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{' '.join(CXX_FLAGS)}".encode())
+    directory = extension_dir()
+    library = directory / f"vnni_linear_{key.hexdigest()[:16]}.so"
+    if not library.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        # Built beside, then renamed: two processes building at once both end with one file.
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            done = subprocess.run(_compile_command(partial), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise KernelBuildError(
+                    f"building {SOURCE.name} failed (g++ exit {done.returncode}):\n{done.stderr}"
+                )
+            os.replace(partial, library)
+        finally:
+            partial.unlink(missing_ok=True)
+    torch.ops.load_library(str(library))
+
+    @torch.library.register_fake("ce_cpu::vnni_linear")
+    def _fake(x: Tensor, weight: Tensor, scales: Tensor, bits: int) -> Tensor:
+        return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[3])
+
+
+def vnni_linear(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    input_scale: Tensor | None,
+    bias: Tensor | None,
+    scheme: str,
+) -> Tensor:
+    """quant_linear over a vnni_cpu weight: x [..., K] -> [..., N] in x's dtype."""
+    load()
+    bits = QuantScheme.parse(scheme).bits
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.ops.ce_cpu.vnni_linear(rows, weight, weight_scale, bits)
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+class VnniLogits:
+    """A tied Q8_0 lm_head (a QuantEmbedding's int8 codes) on the kernel: the codes packed once
+    more, into the vnni_cpu layout (+28 MB for SmolLM2's [49152, 576]; the embedding's gather
+    keeps reading rows of the plain one). Nothing to compile: `warm` is a no-op."""
+
+    def __init__(self, embedding: torch.nn.Module) -> None:
+        scheme = embedding.quant_scheme
+        if not self.runs(embedding):
+            raise ValueError(f"VnniLogits runs int8 group-32 weights of 16k rows, not {scheme}")
+        load()
+        codes = (embedding.weight.to(torch.int16) + VNNI_CODE_OFFSET["int8"]).to(torch.uint8)
+        self.weight = pack_vnni(codes, 8)
+        self.scales = vnni_scales(embedding.weight_scale, scheme)
+
+    @staticmethod
+    def runs(embedding: torch.nn.Module) -> bool:
+        scheme = embedding.quant_scheme
+        return (
+            scheme.weight == "int8"
+            and scheme.layout == "plain"
+            and scheme.group == VNNI_GROUP
+            and embedding.out_features % VNNI_BLOCK_N == 0
+        )
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        rows = hidden.float().contiguous()
+        return torch.ops.ce_cpu.vnni_linear(rows, self.weight, self.scales, 8).to(hidden.dtype)
+
+    def warm(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """The interface Q8Logits has: this head compiles nothing."""
