@@ -24,8 +24,8 @@ from torch import nn
 from compile_engine.compiler.backend import PiecewiseBackend
 from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
 from compile_engine.kernels_generated.int_linear_cpu import Q8Logits
-from compile_engine.kernels_generated.vnni_linear_cpu import VnniLogits
 from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_decode_cpu
+from compile_engine.kernels_generated.vnni_linear_cpu import VnniLogits
 from compile_engine.models import vocabulary
 from compile_engine.models.layers import AttentionMetadata, Embedding, LMHead
 from compile_engine.models.quant import QuantEmbedding, QuantLinear

@@ -135,7 +135,9 @@ class QuantScheme:
                         f"of {VNNI_GROUP}, not {self.weight} group {self.group}"
                     )
                 if self.activation != "int16_group":
-                    raise QuantizationError("the vnni_cpu layout quantizes activations: int16_group")
+                    raise QuantizationError(
+                        "the vnni_cpu layout quantizes activations: int16_group"
+                    )
                 return
             if self.activation != "none":
                 raise QuantizationError(f"{self.weight} weights are weight-only (activation none)")

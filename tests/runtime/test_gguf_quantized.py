@@ -1,7 +1,8 @@
 """A quantized GGUF file through the compiled CPU engine (issue 29): it runs kept quantized by
-default (our VNNI kernel, or ATen's int4 GEMM, in the graph; the Q8_0 lm_head apart), its greedy tokens are what
-the eager references predict teacher-forced, the build records the quantization, and
-`dtype="float32"` keeps the dequantized path. One tiny compiled engine (~20 s on 2 cores)."""
+default (our VNNI kernel, or ATen's int4 GEMM, in the graph; the Q8_0 lm_head apart), its
+greedy tokens are what the eager references predict teacher-forced, the build records the
+quantization, and `dtype="float32"` keeps the dequantized path. One tiny compiled engine (~20 s
+on 2 cores)."""
 
 from __future__ import annotations
 
