@@ -60,7 +60,7 @@ class QuantizedGemm(GraphPass):
     name = "quantized_gemm"
     description = (
         "quant_linear -> fused act. quant + FP8 skinny GEMM / _scaled_mm, int4/int8 "
-        "dequantizing Triton GEMM (h100); VNNI W4A8/W8A8, ATen int4 GEMM, else ref (cpu)"
+        "dequantizing Triton GEMM (h100); VNNI integer GEMM, ATen int4 GEMM, else ref (cpu)"
     )
     targets = ("cpu", "h100")
     kernel_files = (
