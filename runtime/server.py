@@ -277,7 +277,7 @@ async def _metrics(request: web.Request) -> web.Response:
 def _encode(state: State, req: TokenizeRequest, tokenizer) -> list[int]:
     """/tokenize's tokens, on a tokenizer thread. A text that cannot fit in max_model_len is
     refused (room 0: a context may fill it); one that fits is returned whatever its count."""
-    check = functools.partial(state.check_text, room=0)
+    check = functools.partial(state.check_text, room=0, tokenizer=tokenizer)
     if req.messages is not None:
         messages = [m.template_dict() for m in req.messages]
         return chat_prompt(
@@ -300,7 +300,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     if state.engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
     if req.prompt is not None:
-        state.check_text(req.prompt, "prompt", room=0, utf8=False)
+        state.check_text(req.prompt, "prompt", room=0)
     tokens = await state.tokenize(functools.partial(_encode, state, req))
     body = {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
     return web.json_response(body)

@@ -73,8 +73,8 @@ def add_routes(app: web.Application) -> None:
 
 async def _prompt(state: State, req: CountTokensRequest | MessagesRequest) -> list[int]:
     check_model(state, req.model)
-    # On a tokenizer thread, refused by its size alone before tokenizing where it can be
-    # (State.check_text), as the chat route does.
+    # On a tokenizer thread, refused by its size or a prefix's count before tokenizing all of
+    # it where it can be (State.check_text), as the chat route does.
     template = functools.partial(
         chat_prompt, messages=req.chat_messages(), add_generation_prompt=True,
         check=functools.partial(state.check_text, param="messages"),

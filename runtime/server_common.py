@@ -34,6 +34,9 @@ from compile_engine.runtime.tokenizer_pool import TokenizerPool, encode, min_tok
 from compile_engine.runtime.tool_parsers import ToolParser
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Characters of a long text's prefix counted per token it may have: English runs ~4-5 a token,
+# so this prefix usually proves a text too long; where it does not, the whole text is encoded.
+PREFIX_CHARS = 8
 # JSON can escape a lone UTF-16 surrogate ("\ud800"), which json.loads turns into a str that no
 # tokenizer or UTF-8 encoder takes. Bodies without such an escape skip the check.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -105,15 +108,32 @@ class State:
             raise APIError(400, "this model has no tokenizer")
         return await self.tokenizers.run(fn)
 
-    def check_text(self, text: str, param: str, *, room: int = 1, utf8: bool = True) -> None:
-        """Refuse `text` if its size alone proves it is more than max_model_len - `room`
-        tokens (room 1: a prompt must leave a token to generate). Its characters always (O(1),
-        for the event loop); with `utf8` its UTF-8 bytes too (O(n), for a tokenizer thread)."""
-        if self.bytes_per_token is None:
+    def check_text(
+        self, text: str, param: str, *, room: int = 1, tokenizer: Any | None = None
+    ) -> None:
+        """Refuse `text` if it is provably more than max_model_len - `room` tokens (room 1: a
+        prompt must leave a token to generate). By its characters always (O(1), for the event
+        loop); given `tokenizer` (a worker's, on its thread), by its UTF-8 bytes (O(n)) and by
+        the count of a prefix of about 8 characters a token (O(max_model_len), where the whole
+        encode is O(n)), so that refusing a huge text never costs tokenizing all of it."""
+        limit = self.engine.max_model_len - room
+        if self.bytes_per_token is not None:
+            self._check_size(len(text), "characters", param, room)
+            if tokenizer is not None:
+                self._check_size(len(text.encode(errors="surrogatepass")), "bytes", param, room)
+        if tokenizer is None or self.tokenizers is None:
             return
-        self._check_size(len(text), "characters", param, room)
-        if utf8:
-            self._check_size(len(text.encode(errors="surrogatepass")), "bytes", param, room)
+        counted = self.tokenizers.count_prefix(tokenizer, text, PREFIX_CHARS * (limit + 1))
+        if counted is not None and counted[0] > limit:
+            least, cut = counted
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.engine.max_model_len} tokens, "
+                f"and {param}'s first {cut:,} characters alone are at least {least:,} tokens; "
+                "shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _check_size(self, size: int, unit: str, param: str, room: int) -> None:
         least = min_tokens(size, self.bytes_per_token)
@@ -163,7 +183,7 @@ class State:
         and, with `echo`, its text (token ids decoded), from one job on a tokenizer thread."""
         for prompt in prompts:
             if isinstance(prompt, str):
-                self.check_text(prompt, "prompt", utf8=False)
+                self.check_text(prompt, "prompt")
             else:
                 self.check_prompt_tokens(len(prompt), "prompt")
         if not echo and not any(isinstance(p, str) for p in prompts):
@@ -173,7 +193,7 @@ class State:
             ids, texts = [], []
             for prompt in prompts:
                 if isinstance(prompt, str):
-                    self.check_text(prompt, "prompt")
+                    self.check_text(prompt, "prompt", tokenizer=tokenizer)
                     ids.append(encode(tokenizer, prompt, add_special_tokens=True))
                     texts.append(prompt)
                 else:

@@ -339,13 +339,14 @@ def chat_prompt(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     variables: dict[str, Any] | None = None,
-    check: Callable[[str], None] | None = None,
+    check: Callable[..., None] | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt's token ids; `variables` (chat_template_kwargs) reach the template. Run on a
     tokenizer thread (also for /tokenize). The template's text is rendered first and passed to
-    `check` (State.check_text) before it is tokenized, as apply_chat_template(tokenize=True)
-    tokenizes it: without adding special tokens. `tools` (OpenAI's) reach the template."""
+    `check` (State.check_text, with this tokenizer) before it is tokenized, as
+    apply_chat_template(tokenize=True) tokenizes it: without adding special tokens. `tools`
+    (OpenAI's) reach the template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
@@ -358,7 +359,7 @@ def chat_prompt(
             400, f"the chat template rejected the messages: {exc}", param="messages"
         ) from None
     if check is not None:
-        check(text)
+        check(text, tokenizer=tokenizer)
     return encode(tokenizer, text, add_special_tokens=False)
 
 

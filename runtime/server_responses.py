@@ -197,8 +197,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     params = _sampling_params(req)
     llm = state.async_llm()
-    # On a tokenizer thread, refused by its size alone before tokenizing where it can be
-    # (State.check_text), as the chat route does.
+    # On a tokenizer thread, refused by its size or a prefix's count before tokenizing all of
+    # it where it can be (State.check_text), as the chat route does.
     template = functools.partial(
         chat_prompt, messages=system + history + turns, add_generation_prompt=True,
         check=functools.partial(state.check_text, param="input"),

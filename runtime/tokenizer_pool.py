@@ -1,6 +1,7 @@
 """The server's tokenizer work (prompts, chat templates, echo, /tokenize, /detokenize) on a small
-pool of threads, each with its own copy of the engine's tokenizer, and the cheap bound that
-refuses a prompt too long to fit before anything tokenizes it.
+pool of threads, each with its own copy of the engine's tokenizer; the cheap bound that refuses a
+prompt too long to fit before anything tokenizes it, and the count of a prefix that refuses one
+the bound lets through after tokenizing O(max_model_len) of it, not all of it.
 
 Why a pool: on the engine thread, one ~8 MB prompt froze every stream for 8 s while it was
 tokenized (issue 31). Why copies: a HF fast tokenizer must not be used from two threads at once
@@ -22,6 +23,7 @@ import json
 import logging
 import math
 import queue
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +43,16 @@ _UNICODE_SHRINK = 3
 _UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
 # Pre-tokenizers that split or map text but drop none of it.
 _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation"})
+# Split regexes (Llama 3's, Qwen 2's) that, like ByteLevel's own (GPT-2's), settle each word from
+# the text up to one character past the run of one class it ends: see `prefix_tokens`.
+_SETTLED_SPLITS = frozenset(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
+    + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    for digits in (r"\p{N}{1,3}", r"\p{N}")
+)  # fmt: skip
+# Where a prefix may be cut: between two ASCII letters, which no normalizer here changes or joins.
+_CUT = re.compile(r"[A-Za-z]{2}")
+_CUT_SEARCH = 4096  # characters past the wanted length searched for a cut
 
 
 class TokenizerPool:
@@ -48,7 +60,9 @@ class TokenizerPool:
     `fn(tokenizer)` on one of them; a caller cancelled while its job waits drops the job.
     Build it with `TokenizerPool.build` on the thread that owns the tokenizer."""
 
-    def __init__(self, tokenizers: list[Any], long_decode_exact: bool) -> None:
+    def __init__(
+        self, tokenizers: list[Any], long_decode_exact: bool, prefix_added: list[str] | None = None
+    ) -> None:
         if not tokenizers:
             raise ValueError("a tokenizer pool needs at least one tokenizer")
         self.tokenizers = list(tokenizers)  # the copies, one per worker thread
@@ -61,6 +75,8 @@ class TokenizerPool:
             len(tokenizers), thread_name_prefix="tokenizer", initializer=self._adopt
         )
         self._long_decode_exact = long_decode_exact
+        # Added tokens' texts if a prefix's count bounds the whole text's (`prefix_tokens`).
+        self._prefix_added = prefix_added
         self.workers = len(tokenizers)
         self.pending = 0  # jobs queued or running; read by /metrics, changed on the event loop
 
@@ -80,7 +96,7 @@ class TokenizerPool:
             probe = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
             batch = backend.decode_batch([probe], skip_special_tokens=False)[0]
             exact = batch == tokenizer.decode(probe)
-        return cls(made, exact)
+        return cls(made, exact, counts_by_prefix(tokenizer))
 
     def _adopt(self) -> None:
         self._local.tokenizer = self._free.get_nowait()
@@ -103,12 +119,88 @@ class TokenizerPool:
             return tokenizer.decode(token_ids)
         return tokenizer.backend_tokenizer.decode_batch([token_ids], skip_special_tokens=False)[0]
 
+    def count_prefix(self, tokenizer: Any, text: str, at: int) -> tuple[int, int] | None:
+        """(at least how many tokens `text` is, the prefix's length that proves it) from a prefix
+        of about `at` characters (a worker's tokenizer); None where no prefix is sound."""
+        if self._prefix_added is None or len(text) <= at:
+            return None
+        longest = max(map(len, self._prefix_added), default=0)
+        for match in _CUT.finditer(text, at, at + _CUT_SEARCH):
+            cut = match.start() + 1
+            window = text[max(0, cut - longest + 1) : cut + longest - 1]
+            if not any(added in window for added in self._prefix_added):
+                return prefix_tokens(tokenizer, text, cut), cut
+        return None
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def counts_by_prefix(tokenizer: Any) -> list[str] | None:
+    """The added tokens' texts if `prefix_tokens` is sound for `tokenizer`, else None: a
+    deterministic BPE whose normalizer only maps characters (ASCII letters to ASCII letters)
+    and whose pre-tokenizer splits words by a regex that `_SETTLED_SPLITS` vouches for."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("dropout"):
+        return None
+    if not _maps_characters(spec.get("normalizer")) or not _splits_settled(
+        spec.get("pre_tokenizer")
+    ):
+        return None
+    return [t["content"] for t in spec.get("added_tokens") or [] if t.get("content")]
+
+
+def prefix_tokens(tokenizer: Any, text: str, cut: int) -> int:
+    """How many tokens the words of `text[:cut]` before the one that holds `cut` are; no more
+    than `text` is, where `counts_by_prefix(tokenizer)` holds, text[cut - 1] and text[cut] are
+    ASCII letters and no added token spans `cut`.
+
+    Why: BPE tokenizes each word on its own, so words settled alike in the prefix and the text
+    are tokens alike. The regexes split left to right, and each word is settled by the text up
+    to one character past the run (letters, digits, spaces, other) it ends; the cut's word
+    starts at most one character before its run of letters (`start`), so every word ending
+    earlier read no character at or past `cut`. A token ending before `start - 1` is in one.
+    The encode goes through encode_batch, which releases the GIL."""
+    start = cut - 1
+    while start > 0 and text[start - 1].isalpha():
+        start -= 1
+    encoding = tokenizer.backend_tokenizer.encode_batch([text[:cut]], add_special_tokens=False)[0]
+    return sum(1 for _, end in encoding.offsets if end < start - 1)
+
+
+def _maps_characters(normalizer: dict | None) -> bool:
+    if normalizer is None:
+        return True
+    if normalizer.get("type") == "Sequence":
+        return all(_maps_characters(n) for n in normalizer.get("normalizers", []))
+    return normalizer.get("type") in _UNICODE_NORMALIZERS
+
+
+def _splits_settled(pre: dict | None) -> bool:
+    """Whether `pre` splits words only by settled regexes, at least one, and drops no text."""
+    parts = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
+    splits = 0
+    for part in parts:
+        kind = (part or {}).get("type")
+        if kind == "ByteLevel":
+            splits += bool(part.get("use_regex", True))
+        elif kind == "Split":
+            pattern = part.get("pattern") or {}
+            settled = pattern.get("Regex") in _SETTLED_SPLITS and not part.get("invert")
+            if not settled or part.get("behavior") != "Isolated":
+                return False
+            splits += 1
+        elif kind != "Digits":
+            return False
+    return splits > 0
 
 
 def bytes_per_token(tokenizer: Any, token_texts: list[str]) -> int | None:
