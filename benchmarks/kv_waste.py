@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check-integrity", action="store_true")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no compile: the counts are the same"
+    )
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY))
     p.add_argument("--name", default="kv-waste", help="result file name prefix")
     return p
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
     payload = bench_kv_waste(
         llm,

@@ -205,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the build's graph bound, which the start from its artifact takes (default 2048)",
     )
+    p.add_argument(
+        "--passes", default=None, help="the build's passes, +name,-name relative to the defaults"
+    )
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY))
     args = p.parse_args(argv)
     engine = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
     out = Path(args.out) if args.out else None
     bound = args.max_cuda_graph_tokens
     flags = ["--max-cuda-graph-tokens", str(bound)] if bound else []
+    if args.passes:
+        flags.append(f"--passes={args.passes}")
     payload = bench_startup(args.model, args.target, args.dtype, out, engine, flags)
     print(f"{'cold build':<30}{payload['cold_build_s']:>8.2f} s")
     print(f"{'ready from artifact':<30}{payload['startup_ready_s']:>8.2f} s")

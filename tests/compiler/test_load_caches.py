@@ -31,12 +31,17 @@ def test_aot_cache_serves_pieces_again_and_is_keyed_by_reference_source(tmp_path
     want = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
 
     def start() -> LLM:
-        return LLM(str(tmp_path), dtype="float32", target="cpu", num_kv_blocks=16)
+        # The pieces only: the CPU decode graph's cache is keyed alike and would double each
+        # of the two cold compiles here (test_compiler's artifact load counts it).
+        return LLM(
+            str(tmp_path), dtype="float32", target="cpu", num_kv_blocks=16,
+            passes="-paged_attention_cpu",
+        )  # fmt: skip
 
     start()  # fills the caches (or finds them filled by an earlier run)
     again = start()
-    # three pieces and the decode graph (compiler/compiled_model.py)
-    assert again.engine.compiled.cache_stats["aot_autograd_hits"] == 4
+    # the three pieces (compiler/compiled_model.py)
+    assert again.engine.compiled.cache_stats["aot_autograd_hits"] == 3
     assert again.engine.compiled.cache_stats["aot_autograd_bypasses"] == 0
     assert _tokens(again, prompts) == want
 
@@ -45,6 +50,6 @@ def test_aot_cache_serves_pieces_again_and_is_keyed_by_reference_source(tmp_path
     monkeypatch.setattr(compiled_model, "references_hash", lambda: uuid.uuid4().hex[:16])
     edited = start()
     stats = edited.engine.compiled.cache_stats
-    assert stats["aot_autograd_hits"] == 0 and stats["aot_autograd_misses"] == 4
+    assert stats["aot_autograd_hits"] == 0 and stats["aot_autograd_misses"] == 3
     assert stats["fx_graph_hits"] == 0
     assert _tokens(edited, prompts) == want

@@ -55,10 +55,14 @@ def test_reused_piece_outputs_match_a_fresh_run(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(backend._PieceCompiler, "call_module", checking_call_module)
-    llm = LLM(str(tmp_path), dtype="float32", target="cpu", num_kv_blocks=16)
-    # 4 attention pieces and 5 others, all but the first attention piece and 3 others reused,
-    # and the CPU decode step's graph, one piece (compiler/compiled_model.py).
-    assert checked == {"pieces": 10, "reused": 5}
+    # The split graph only: the CPU decode step's graph is one piece, reused by nothing, and
+    # its compile would double this test's on CI's 2 cores.
+    llm = LLM(
+        str(tmp_path), dtype="float32", target="cpu", num_kv_blocks=16,
+        passes="-paged_attention_cpu",
+    )  # fmt: skip
+    # 4 attention pieces and 5 others, all but the first attention piece and 3 others reused.
+    assert checked == {"pieces": 9, "reused": 5}
     prompt = [5, 9, 11, 3]
     got = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert got == hf_greedy(hf_model, prompt, NEW_TOKENS)
