@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked interpreted_child("VAR") run only in a child pytest whose environment sets
     VAR=1 from its start (the Triton/Helion interpreters are read when kernels are defined and
     would leak into the rest of the session); a parent test runs that child and asserts it
-    passed. Here, outside such a child, they are deselected rather than reported as skipped."""
+    passed. Here, outside such a child, they are deselected rather than reported as skipped.
+    Then the files are ordered for the workers."""
     keep, drop = [], []
     for item in items:
         marker = item.get_closest_marker("interpreted_child")
@@ -39,7 +40,10 @@ def pytest_collection_modifyitems(config, items):
             keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    # Files holding a slow test first, each file's tests in their order: CI's two xdist workers
+    # take a file at a time in this order, and a long file taken last ran alone at the end.
+    slow = {item.path for item in keep if item.get_closest_marker("slow") is not None}
+    items[:] = sorted(keep, key=lambda item: item.path not in slow)
 
 
 def smollm2_directory() -> Path:

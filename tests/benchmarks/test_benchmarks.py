@@ -184,6 +184,7 @@ def test_throughput_uses_the_offline_token_budget(tiny_model, tmp_path):
     assert llm.engine.config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 
+@pytest.mark.slow
 def test_breakdown_end_to_end(tiny_model, tmp_path):
     # --kernel-config as serve takes it: the engine's passes give its key to our kernel ops, and
     # the record says which config that was.

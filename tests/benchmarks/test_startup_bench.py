@@ -14,6 +14,7 @@ from compile_engine.benchmarks import make_model, startup
 RECORD_KEYS = {"command", "commit", "dirty", "timestamp", "device", "versions"}
 
 
+@pytest.mark.slow
 def test_startup_end_to_end(tmp_path):
     model = make_model.make_model("tiny-llama", tmp_path / "model")
     results = tmp_path / "results"

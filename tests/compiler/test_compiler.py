@@ -93,8 +93,8 @@ def test_no_recompilation_over_200_random_requests(tmp_path):
     assert engine.stats().num_preemptions_total > 0  # the small pool exercised preemption
 
 
-def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _run(args: list[str], env_extra=None, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, **kw)
 
 
@@ -152,8 +152,12 @@ def test_artifact_loads_in_fresh_process_without_compiling(tmp_path, arch):
     assert passes["paged_attention_triton"]["applies"] is False  # an h100-only pass
 
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=7)
+    # Inductor's C++ kernels are generated for the thread count they compile under (xdist
+    # workers compute on one thread, tests/conftest.py): the load runs on the build's.
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     load = _run(
-        [sys.executable, "-c", LOAD_SCRIPT, str(artifact), json.dumps(prompts), str(NEW_TOKENS)]
+        [sys.executable, "-c", LOAD_SCRIPT, str(artifact), json.dumps(prompts), str(NEW_TOKENS)],
+        env_extra=threads,
     )
     assert load.returncode == 0, load.stderr
     result = json.loads(load.stdout.split("RESULT ", 1)[1])

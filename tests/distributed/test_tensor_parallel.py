@@ -97,6 +97,7 @@ def _end_groups():
     parallel.shutdown_active()  # the next case's engine starts its own workers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_and_logits_equal_tp1_and_hf(case, tmp_path):
     make, tp, ep = CASES[case]

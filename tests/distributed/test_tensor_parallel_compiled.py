@@ -6,6 +6,7 @@ architecture is checked eagerly in test_tensor_parallel.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compile_engine import LLM, SamplingParams
@@ -17,6 +18,7 @@ from tiny_models import make_tiny_model
 LAYERS = 2  # tests/tiny_models
 
 
+@pytest.mark.slow
 def test_compiled_shards_equal_hf(tmp_path):
     hf_model = make_tiny_model("llama", tmp_path)
     prompts = [[5], [7, 11, 13, 17, 19, 23, 29, 31, 37]]

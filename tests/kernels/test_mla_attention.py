@@ -170,6 +170,7 @@ def test_rejects_mismatched_cache():
         )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(mk.INTERPRETED, reason="this is the parent of the interpreted run")
 def test_interpreter_cases_in_subprocess():
     child = run_interpreted(__file__, "TRITON_INTERPRET", "-m", "not gpu", "-k", "not subprocess")

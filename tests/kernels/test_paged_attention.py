@@ -517,6 +517,7 @@ def test_fp8_cache_refuses_other_float8():
         pa.paged_attention_triton(*batch.args(cache))
 
 
+@pytest.mark.slow
 def test_interpreter_cases_in_subprocess():
     if pa.INTERPRETED:
         pytest.skip("this session is interpreted already: the CPU cases ran in-process")

@@ -390,6 +390,7 @@ def test_fake_gives_the_linear_shape():
     assert out.shape == (7, 48) and out.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_cpu_kernel_cases_in_one_child():
     if k.INTERPRETED:
         pytest.skip("this is the child")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pass_kit import run_interpreted
 
 HERE = Path(__file__).resolve().parent
@@ -24,6 +26,7 @@ FILES = (
 )
 
 
+@pytest.mark.slow
 def test_interpreted_cases_in_one_child():
     first, *rest = (HERE / name for name in FILES)
     child = run_interpreted(first, "TRITON_INTERPRET", *map(str, rest), "-k", "interpreted")

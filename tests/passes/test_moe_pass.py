@@ -63,6 +63,7 @@ def test_numerics_unchanged_with_the_kernel(model_dir):
     assert result["matches"] == SPARSE_LAYERS
 
 
+@pytest.mark.slow
 def test_interpreter_cases_in_subprocess():
     import compile_engine.kernels_generated.moe_grouped_gemm as mk
 

@@ -82,6 +82,7 @@ def _greedy(llm, max_tokens: int = 6) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
+@pytest.mark.slow
 def test_compiled_cpu_engine_generates_as_the_reference(fp8_dir):
     # The one Inductor build of this file: the reference lowered into the graph compiles and
     # greedy-decodes the tokens the eager reference does.

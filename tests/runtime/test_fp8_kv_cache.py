@@ -179,6 +179,7 @@ def _greedy(tiny: Path, **engine) -> tuple[list[list[int]], object]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_generate_with_an_fp8_cache(tiny, enforce_eager):
     want, _ = _greedy(tiny, enforce_eager=True)

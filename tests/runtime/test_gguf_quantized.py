@@ -32,6 +32,7 @@ def q4_file(tmp_path_factory):
     return write_quantized_gguf(path, tiny_llama_weights(seed=5), "Q4_1")
 
 
+@pytest.mark.slow
 def test_compiled_engine_runs_kept_quantized_and_matches_the_references(q4_file) -> None:
     # The pieces only: the CPU decode graph over the kept-quantized weights compiles in the
     # README main job's test (test_engine_equivalence), on the real SmolLM2.

