@@ -30,9 +30,10 @@ per group of `group` (32/64/128) consecutive input columns of a row:
 Each rounds as gguf's dequantize does (one product, then the add), so the reference's weight is
 the file's fp32 weight bit for bit. Layouts: "plain" (4-bit: two codes a byte, even k in the low
 nibble) and "int4pack_cpu", ATen's CPU int4 GEMM layout (`_weight_int4pack_mm_for_cpu`): rows
-in blocks of 64, byte [b, k, j] = q[64b + j, k] | q[64b + 32 + j, k] << 4 viewed as [N, K / 2],
-with (scale, zero) [G, N, 2] in the model dtype and w = (q - 8) * scale + zero, i.e. zero =
-m + 8 s rounded to that dtype: that rounding is the layout's only change to the weights.
+in blocks of B = 64 (32 where ATen runs AVX2), byte [b, k, j] = q[Bb + j, k] | q[Bb + B/2 + j,
+k] << 4 viewed as [N, K / 2], with (scale, zero) [G, N, 2] in the model dtype and w = (q - 8) *
+scale + zero, i.e. zero = m + 8 s rounded to that dtype: that rounding is the layout's only
+change to the weights.
 Checkpoints hand QuantLinear unpacked codes ([n, K], one a byte) and float32 scales; it packs.
 
 Quantization arrives by composition (STYLE 13): the model is built as usual on the meta
@@ -44,6 +45,7 @@ keeps it unquantized too), and the loader fills the new parameters by their chec
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import shutil
 import sys
@@ -76,8 +78,9 @@ LAYOUTS = ("plain", "int4pack_cpu", "vnni_cpu")
 # and float32 inputs take scalar loops 30-60x slower (kernels_generated/int_linear_cpu.py). A
 # float32 model casts around it (issue 29: the residual stream in float32).
 INT4PACK_DTYPE = torch.bfloat16
-# ATen's CPU int4 layout packs rows in blocks of this many.
-INT4PACK_BLOCK_N = 64
+# ATen's CPU int4 layout packs rows in blocks of 64 where its kernels run AVX-512, of 32 under
+# AVX2 (int4pack_block_n probes which).
+INT4PACK_BLOCK_CANDIDATES = (64, 32)
 # The vnni_cpu layout (kernels_generated/csrc/vnni_linear.cpp): rows in blocks of 16 (one
 # int32 lane each), groups of 32 columns, activations quantized per group too.
 VNNI_BLOCK_N = 16
@@ -234,7 +237,7 @@ class QuantScheme:
             raise QuantizationError(
                 f"{in_features} input features do not divide into groups of {self.group}"
             )
-        block = {"int4pack_cpu": INT4PACK_BLOCK_N, "vnni_cpu": VNNI_BLOCK_N}.get(self.layout)
+        block = layout_block_rows(self.layout)
         if block is not None and out_features % block:
             raise QuantizationError(
                 f"{out_features} output features: the {self.layout} layout packs rows in blocks "
@@ -276,15 +279,43 @@ def dequantize_fp8_ref(q: Tensor, scale: Tensor, scheme: str, dtype: torch.dtype
     return (q.float() * expand_scale(scale, tuple(q.shape), parsed)).to(dtype)
 
 
+def _pack_int4pack(codes: Tensor, block: int) -> Tensor:
+    n, k = codes.shape
+    rows = codes.reshape(n // block, 2, block // 2, k)  # [N / B, 2, B / 2, K]
+    low, high = rows[:, 0].transpose(1, 2), rows[:, 1].transpose(1, 2)  # [N / B, K, B / 2]
+    return (low | (high << 4)).reshape(n, k // 2)
+
+
+@functools.cache
+def int4pack_block_n() -> int:
+    """Rows a block of ATen's CPU int4 layout holds on this machine: compiled into ATen per CPU
+    capability (64 under AVX-512, 32 under AVX2) and not exposed, so found by packing a probe
+    with ATen's own op and comparing it with each candidate's packing."""
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=g)
+    aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), 1)
+    for block in INT4PACK_BLOCK_CANDIDATES:
+        if torch.equal(aten, _pack_int4pack(probe, block)):
+            return block
+    raise QuantizationError(
+        "ATen's CPU int4 layout on this machine is none this engine knows (rows in blocks of "
+        f"{INT4PACK_BLOCK_CANDIDATES}); use --dtype float32"
+    )
+
+
+def layout_block_rows(layout: str) -> int | None:
+    """Output rows a block of the layout packs together (None: any number)."""
+    if layout == "int4pack_cpu":
+        return int4pack_block_n()
+    return VNNI_BLOCK_N if layout == "vnni_cpu" else None
+
+
 def pack_int4(codes: Tensor, layout: str) -> Tensor:
     """4-bit codes [N, K] (uint8, 0..15) -> the layout's bytes [N, K / 2]."""
     codes = codes.to(torch.uint8)
-    n, k = codes.shape
     if layout == "plain":
         return codes[:, 0::2] | (codes[:, 1::2] << 4)
-    rows = codes.reshape(n // INT4PACK_BLOCK_N, 2, INT4PACK_BLOCK_N // 2, k)  # [B, 2, 32, K]
-    low, high = rows[:, 0].transpose(1, 2), rows[:, 1].transpose(1, 2)  # [B, K, 32]
-    return (low | (high << 4)).reshape(n, k // 2)
+    return _pack_int4pack(codes, int4pack_block_n())
 
 
 def unpack_int4(weight: Tensor, layout: str) -> Tensor:
@@ -293,9 +324,9 @@ def unpack_int4(weight: Tensor, layout: str) -> Tensor:
     low, high = weight & 15, weight >> 4
     if layout == "plain":
         return torch.stack([low, high], dim=-1).reshape(n, 2 * half)  # [N, K / 2, 2]
-    blocks = n // INT4PACK_BLOCK_N
-    low = low.reshape(blocks, 2 * half, INT4PACK_BLOCK_N // 2).transpose(1, 2)  # [B, 32, K]
-    high = high.reshape(blocks, 2 * half, INT4PACK_BLOCK_N // 2).transpose(1, 2)
+    block = int4pack_block_n()
+    low = low.reshape(n // block, 2 * half, block // 2).transpose(1, 2)  # [N / B, B / 2, K]
+    high = high.reshape(n // block, 2 * half, block // 2).transpose(1, 2)
     return torch.cat([low, high], dim=1).reshape(n, 2 * half)
 
 
@@ -684,7 +715,7 @@ class QuantLinear(nn.Module):
         byte), `weight_scale` as float32 [n, G] or [n, G, 2] (s, m); packed to the layout."""
         scheme = self.quant_scheme
         rows, k = end - start, self.in_features
-        block = {"int4pack_cpu": INT4PACK_BLOCK_N, "vnni_cpu": VNNI_BLOCK_N}.get(scheme.layout)
+        block = layout_block_rows(scheme.layout)
         if block is not None and (start % block or rows % block):
             raise CheckpointError(
                 f"tensor {name}: rows {start}:{end} do not fall on the {scheme.layout} layout's "
@@ -703,8 +734,8 @@ class QuantLinear(nn.Module):
             elif scheme.layout == "plain":
                 param[start:end].copy_(pack_int4(tensor, "plain"))
             else:
-                blocks = param.view(-1, k, INT4PACK_BLOCK_N // 2)  # [N / 64, K, 32] bytes
-                b0, b1 = start // INT4PACK_BLOCK_N, end // INT4PACK_BLOCK_N
+                blocks = param.view(-1, k, block // 2)  # [N / B, K, B / 2] bytes
+                b0, b1 = start // block, end // block
                 blocks[b0:b1].copy_(pack_int4(tensor, "int4pack_cpu").view(b1 - b0, k, -1))
             return
         want = (rows, k // scheme.group) + ((2,) if scheme.scale_pairs else ())

@@ -39,7 +39,8 @@ def tiny_llama_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-# int4pack_cpu packs rows in blocks of 64 and every format groups 32 columns: shapes to fit.
+# int4pack_cpu packs rows in blocks of 64 (32 under AVX2) and every format groups 32 columns:
+# shapes to fit.
 SHAPE = dict(vocab=64, hidden=64, inter=128, layers=2, heads=4, kv_heads=4, head_dim=16)
 
 

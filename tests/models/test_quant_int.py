@@ -23,6 +23,7 @@ from compile_engine.models.quant import (
     QuantLinear,
     QuantScheme,
     dequantize_int_ref,
+    int4pack_block_n,
     int4pack_scales,
     pack_int4,
     quant_linear_ref,
@@ -46,8 +47,9 @@ def test_scheme_strings_round_trip_and_validate() -> None:
                 "int8:group32:none:int4pack_cpu", "fp8_e4m3:group32:none"):  # fmt: skip
         with pytest.raises(QuantizationError):
             QuantScheme.parse(bad)
-    with pytest.raises(QuantizationError, match="blocks of 64"):
-        s.check_shape(96, 64)
+    block = int4pack_block_n()  # 64 under AVX-512, 32 under AVX2
+    with pytest.raises(QuantizationError, match=f"blocks of {block}"):
+        s.check_shape(block + 16, 64)
 
 
 @pytest.mark.parametrize("layout", ["plain", "int4pack_cpu"])

@@ -356,7 +356,9 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_stream(big_server):
     its prefix's count, 2M prompt token ids, a 1M-id /detokenize) sent one by one while four
     streams run: the ones whose size proves they cannot fit are refused before any
     tokenization, and while each is handled the streams' largest gap between two chunks stays
-    under MAX_GAP_S (or the quiet gap + 0.25 s on a busier machine).
+    under MAX_GAP_S (or twice the quiet gap on a slower or busier machine: on an AVX2 EPYC the
+    quiet step alone was 0.33 s and the 1M-id /detokenize's gap 0.58 s; serial tokenization of
+    the 8 MB prompt would stall the streams for seconds).
 
     One by one, PAUSE_S apart: parsing a multi-MB JSON body holds the GIL (the 2M ids: ~0.15 s)
     and the engine thread needs it between eager ops, so requests sent back to back add their
@@ -432,7 +434,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_stream(big_server):
         f"(path, seconds, streams' largest gap meanwhile): {report}; "
         f"{quiet:.3f} s in {quiet_s:g} s before with nothing else asked"
     )
-    assert all(gap < max(MAX_GAP_S, quiet + 0.25) for _, _, gap in report), report
+    assert all(gap < max(MAX_GAP_S, 2 * quiet) for _, _, gap in report), report
     for path, t0, t1 in took[:4]:  # refused by size alone, before any tokenization
         assert t1 - t0 < 2.0, (path, t1 - t0)
 
