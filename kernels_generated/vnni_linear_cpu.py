@@ -1,12 +1,14 @@
 """The vnni_cpu layout's GEMM (issue 29): 4- and 8-bit GGUF weights times 16-bit activations on
-AVX-512 VNNI, what the quantized GEMM pass lowers a vnni_cpu `ce.quant_linear` to, and the
-quantized tied lm_head's logits.
+AVX-512 VNNI (or AVX2), what the quantized GEMM pass lowers a vnni_cpu `ce.quant_linear` to, and
+the quantized tied lm_head's logits.
 
 The kernel is C++ (csrc/vnni_linear.cpp says its arithmetic and layout), built once per source,
-torch and compiler into the cache directory with the machine's g++ and loaded as the
-`ce_cpu::vnni_linear` op; its oracle is `quant_linear_ref` (dequantize the weight, quantize and
-dequantize the activation per group of 32, matmul in float32), which it matches but for the
-order floats are added (tests/kernels/test_vnni_linear_cpu.py).
+torch, flags and ISA into the cache directory with the machine's g++ and loaded as the
+`ce_cpu::vnni_linear` op (AVX-512 VNNI) or `ce_cpu::vnni_linear_avx2` (the same source for CPUs
+without AVX-512; bit-equal to the first); the fastest build the CPU runs is the one used. Its
+oracle is `quant_linear_ref` (dequantize the weight, quantize and dequantize the activation per
+group of 32, matmul in float32), which it matches but for the order floats are added
+(tests/kernels/test_vnni_linear_cpu.py).
 
 Why ours: ATen's CPU int4 GEMM dequantizes to bfloat16 and runs float FMAs, and per row. One
 SmolLM2 layer's four linears on the 2-core EPYC (Zen 4, min of 5 x 50 calls, us) at 1 / 16
@@ -22,6 +24,7 @@ import os
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,12 +36,18 @@ from compile_engine.models.quant import (
     VNNI_GROUP,
     QuantScheme,
     pack_vnni,
+    vnni_cpu_isas,
     vnni_scales,
 )
 
 SOURCE = Path(__file__).parent / "csrc" / "vnni_linear.cpp"
-CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp",
-             "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")  # fmt: skip
+CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
+# Per build (models/quant.py: VNNI_CPU_ISAS says what each needs of the CPU): its flags, its op.
+ISA_FLAGS = {
+    "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
+    "avx2": ("-mavx2", "-mfma", "-DCE_VNNI_AVX2"),
+}
+ISA_OPS = {"avx512_vnni": "vnni_linear", "avx2": "vnni_linear_avx2"}
 
 
 class KernelBuildError(RuntimeError):
@@ -54,12 +63,13 @@ def extension_dir() -> Path:
     return Path(base) / "compile-engine" / "cpp_extensions"
 
 
-def _compile_command(output: Path) -> list[str]:
+def _compile_command(isa: str, output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = ["g++", *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE), "-o", str(output)]
+    command = ["g++", *CXX_FLAGS, *ISA_FLAGS[isa], f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    command += [str(SOURCE), "-o", str(output)]
     command += [f"-I{path}" for path in include_paths()]
     command += [f"-I{sysconfig.get_paths()['include']}"]
     # torch's own libgomp (same soname), so the kernel's threads are torch.set_num_threads's.
@@ -67,33 +77,54 @@ def _compile_command(output: Path) -> list[str]:
     return command
 
 
+def machine_isa() -> str:
+    """The fastest build of the kernel this CPU runs."""
+    isas = vnni_cpu_isas()
+    if not isas:
+        raise KernelBuildError(
+            "the vnni_cpu layout needs an x86 CPU with AVX-512 VNNI or AVX2 and g++ on Linux; "
+            "use --dtype float32 for the dequantized path"
+        )
+    return isas[0]
+
+
+def load(isa: str | None = None) -> Callable[..., Tensor]:
+    """Build (once per source, torch version, flags and ISA) and load the kernel's build for
+    `isa` (default: the machine's fastest); returns its op."""
+    return _load(isa or machine_isa())
+
+
 @functools.cache
-def load() -> None:
-    """Build (once per source, torch version and flags) and load `ce_cpu::vnni_linear`."""
+def _load(isa: str) -> Callable[..., Tensor]:
+    flags = (*CXX_FLAGS, *ISA_FLAGS[isa])
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update(f"{torch.__version__}|{' '.join(CXX_FLAGS)}".encode())
+    key.update(f"{torch.__version__}|{' '.join(flags)}".encode())
     directory = extension_dir()
-    library = directory / f"vnni_linear_{key.hexdigest()[:16]}.so"
+    library = directory / f"{ISA_OPS[isa]}_{key.hexdigest()[:16]}.so"
     if not library.is_file():
         directory.mkdir(parents=True, exist_ok=True)
         # Built beside, then renamed: two processes building at once both end with one file.
         with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            done = subprocess.run(_compile_command(partial), capture_output=True, text=True)
+            done = subprocess.run(_compile_command(isa, partial), capture_output=True, text=True)
             if done.returncode != 0:
                 raise KernelBuildError(
-                    f"building {SOURCE.name} failed (g++ exit {done.returncode}):\n{done.stderr}"
+                    f"building {SOURCE.name} for {isa} failed (g++ exit {done.returncode}):\n"
+                    f"{done.stderr}"
                 )
             os.replace(partial, library)
         finally:
             partial.unlink(missing_ok=True)
     torch.ops.load_library(str(library))
+    name = f"ce_cpu::{ISA_OPS[isa]}"
 
-    @torch.library.register_fake("ce_cpu::vnni_linear")
+    @torch.library.register_fake(name)
     def _fake(x: Tensor, weight: Tensor, scales: Tensor, bits: int) -> Tensor:
         return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[3])
+
+    return getattr(torch.ops.ce_cpu, ISA_OPS[isa])
 
 
 def vnni_linear(
@@ -105,10 +136,10 @@ def vnni_linear(
     scheme: str,
 ) -> Tensor:
     """quant_linear over a vnni_cpu weight: x [..., K] -> [..., N] in x's dtype."""
-    load()
+    op = load()
     bits = QuantScheme.parse(scheme).bits
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    out = torch.ops.ce_cpu.vnni_linear(rows, weight, weight_scale, bits)
+    out = op(rows, weight, weight_scale, bits)
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
@@ -123,7 +154,7 @@ class VnniLogits:
         scheme = embedding.quant_scheme
         if not self.runs(embedding):
             raise ValueError(f"VnniLogits runs int8 group-32 weights of 16k rows, not {scheme}")
-        load()
+        self.op = load()
         codes = (embedding.weight.to(torch.int16) + VNNI_CODE_OFFSET["int8"]).to(torch.uint8)
         self.weight = pack_vnni(codes, 8)
         self.scales = vnni_scales(embedding.weight_scale, scheme)
@@ -140,7 +171,7 @@ class VnniLogits:
 
     def __call__(self, hidden: Tensor) -> Tensor:
         rows = hidden.float().contiguous()
-        return torch.ops.ce_cpu.vnni_linear(rows, self.weight, self.scales, 8).to(hidden.dtype)
+        return self.op(rows, self.weight, self.scales, 8).to(hidden.dtype)
 
     def warm(self, hidden_size: int, dtype: torch.dtype) -> None:
         """The interface Q8Logits has: this head compiles nothing."""

@@ -415,12 +415,12 @@ def gguf_quantization(
     checkpoint, device: torch.device, dtype: torch.dtype, quantization: str | None
 ) -> QuantConfig | None:
     """How a GGUF file runs: kept quantized (its projections int4/int8 quant_linears, its Q8_0
-    embedding a QuantEmbedding) by default on a CPU (dtype "auto"; issue 29, docs/compiler.md):
-    in the vnni_cpu layout (our AVX-512 VNNI kernel, activations quantized per group) where the
-    CPU has VNNI, else in ATen's CPU int4 layout where it multiplies bfloat16. None, dequantized,
-    for an explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on CUDA (no GPU kernel
-    for GGUF's formats yet), on a CPU with neither (ATen's float32 int4 path is 30x slower) and
-    with quantization="fp8" (online FP8 of the dequantized weights)."""
+    embedding a QuantEmbedding) by default on a CPU (dtype "auto"; issue 29, docs/compiler.md): in
+    the vnni_cpu layout (our integer kernel, activations quantized per group) where the CPU has
+    AVX-512 VNNI or AVX2, else in ATen's CPU int4 layout where it multiplies bfloat16 (an Arm CPU).
+    None, dequantized, for an explicit dtype (`--dtype float32` / `bfloat16`: today's paths), on
+    CUDA (no GPU kernel for GGUF's formats yet), on a CPU with neither (ATen's float32 int4 path is
+    30x slower) and with quantization="fp8" (online FP8 of the dequantized weights)."""
     from compile_engine.models.gguf import QUANTIZED_TYPES
 
     if device.type != "cpu" or quantization is not None:

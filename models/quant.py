@@ -330,19 +330,32 @@ def unpack_int4(weight: Tensor, layout: str) -> Tensor:
     return torch.cat([low, high], dim=1).reshape(n, 2 * half)
 
 
-def vnni_cpu_supported() -> bool:
-    """Whether this machine runs the vnni_cpu layout's kernel: an x86 CPU with AVX-512 VNNI
-    (Intel since Cascade Lake, AMD since Zen 4) on Linux, and a C++ compiler to build it with
-    (kernels_generated/vnni_linear_cpu.py builds it once into the cache)."""
+# What each build of the vnni_cpu layout's kernel needs of the CPU (/proc/cpuinfo's flags), the
+# fastest first: AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4), else AVX2 with FMA.
+VNNI_CPU_ISAS = {
+    "avx512_vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "avx2": frozenset({"avx2", "fma"}),
+}
+
+
+def vnni_cpu_isas() -> tuple[str, ...]:
+    """The builds of the vnni_cpu layout's kernel this machine runs, fastest first: x86 on Linux
+    with a C++ compiler to build them with (kernels_generated/vnni_linear_cpu.py builds each
+    once into the cache)."""
     if not sys.platform.startswith("linux") or shutil.which("g++") is None:
-        return False
+        return ()
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                  if line.startswith("flags")), [])  # fmt: skip
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
+        return ()
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                      if line.startswith("flags")), []))  # fmt: skip
+    return tuple(isa for isa, needs in VNNI_CPU_ISAS.items() if needs <= flags)
+
+
+def vnni_cpu_supported() -> bool:
+    """Whether this machine runs the vnni_cpu layout's kernel (one of its builds)."""
+    return bool(vnni_cpu_isas())
 
 
 def pack_vnni(codes: Tensor, bits: int) -> Tensor:

@@ -23,12 +23,13 @@ On h100, integer weight-only schemes (GPTQ / AWQ / compressed-tensors int4 and i
 count (fma / skinny / tensor-core tiles, configs/int_gemm.json); the GGUF (s, m) formats (uint4,
 uint8), which the loader only keeps quantized on the CPU, fall back to the reference.
 
-On cpu: weights in the vnni_cpu layout (a GGUF file's Q4_0 / Q4_1 / Q8_0 projections, kept
-quantized where the CPU has AVX-512 VNNI: models/loader.py) -> `vnni_linear`
-(kernels_generated/vnni_linear_cpu.py: our C++ kernel, 16-bit activations times the 4- or
-8-bit codes in int32); 4-bit weights in the int4pack_cpu layout (the same files on a CPU with
-bfloat16 but no VNNI) -> `int4pack_linear` (kernels_generated/int_linear_cpu.py: ATen's int4 GEMM,
-dequantizing in registers); anything else -> the reference (`quant_linear_ref`:
+On cpu: weights in the vnni_cpu layout (a GGUF file's Q4_0 / Q4_1 / Q8_0 projections, kept quantized
+where the CPU has AVX-512 VNNI or AVX2: models/loader.py) -> `vnni_linear`
+(kernels_generated/vnni_linear_cpu.py: our C++ kernel, 16-bit activations times the 4- or 8-bit
+codes in int32); 4-bit weights in the int4pack_cpu layout (the same files on a CPU with bfloat16
+that runs neither build of our kernel: an Arm one) -> `int4pack_linear`
+(kernels_generated/int_linear_cpu.py: ATen's int4 GEMM, dequantizing in registers); anything else ->
+the reference (`quant_linear_ref`:
 dequantize, matmul in float32), which Inductor traces and fuses like any other, so a CPU build
 runs FP8 and int8 checkpoints exactly as the oracle does.
 

@@ -20,6 +20,15 @@
 // codes k..k+3 of row j in its low nibbles and k+4..k+7 in its high ones (k = 8p), 8-bit: 8
 // vectors, lane j's dword codes k..k+3 (k = 4p). Scales [N / 16, G, 2, 16]: (s, m) of the 16 rows.
 // Each output row's arithmetic is the same whatever the number of rows: batch invariant.
+//
+// Built twice (kernels_generated/vnni_linear_cpu.py picks the one the CPU runs): with AVX-512
+// VNNI flags as `ce_cpu::vnni_linear`, and with CE_VNNI_AVX2 defined and AVX2 flags as
+// `ce_cpu::vnni_linear_avx2` for CPUs without AVX-512 (Zen 2/3, Intel client chips). AVX2 has no
+// byte dot product that cannot saturate, so there the codes are widened to 16 bits and
+// `vpmaddwd` multiplies them by the 16-bit activation directly (one pass, exact in int32: a
+// lane sums 16 products of at most 255 * 32512). The integer sums are the same numbers, and the
+// floats that scale them are the same operations in the same order: the two builds agree bit
+// for bit (tests/kernels/test_vnni_linear_cpu.py, where the CPU runs both).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -34,6 +43,125 @@ constexpr int64_t kRows = 16;  // output rows a vector (16 int32 lanes)
 
 constexpr float kLevels = 32512.0f;  // 127 * 256
 
+#if defined(CE_VNNI_AVX2)
+// x float32 [T, K] -> xq int16 [T, K], dx = amax / 32512 and xs = dx * sum(xq), float32
+// [T, G]: the same numbers as the AVX-512 build's (the same division, rounding and sum).
+void quantize_groups(const float* x, int64_t T, int64_t K, int16_t* xq, float* dx, float* xs) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, T * G, 64, [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / G, g = i % G;
+      const float* p = x + t * K + g * kGroup;
+      int16_t* q = xq + t * K + g * kGroup;
+      __m256 a[4];
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(p + 8 * j);
+      __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float d = _mm_cvtss_f32(h) / kLevels;
+      if (d == 0.0f) {
+        std::memset(q, 0, kGroup * sizeof(int16_t));
+        dx[i] = 0.0f;
+        xs[i] = 0.0f;
+        continue;
+      }
+      const __m256 vd = _mm256_set1_ps(d);
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_div_ps(a[j], vd));
+      // packs interleaves the 128-bit halves; the permute puts the 16 values back in order
+      const __m256i q01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+      const __m256i q23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), q01);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), q23);
+      __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+      dx[i] = d;
+      xs[i] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+  });
+}
+
+// One block of 16 output rows as two halves of 8 (a 64-byte vector's two 32-byte halves), TT
+// activation rows from t0. A half's 32 bytes hold 4 codes of each of its 8 rows; widened to 16
+// bits, each 32-bit lane is 2 codes of one row, times the same 2 activations (a broadcast of 4).
+template <int BITS, int TT>
+inline void block_rows(const uint8_t* w, const float* sm, const int16_t* xq, const float* dx,
+                       const float* xs, int64_t t0, int64_t K, int64_t N, int64_t n0, float* y) {
+  const int64_t G = K / kGroup;
+  __m256 acc[TT][2];
+  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum[TT][2];
+      for (int i = 0; i < TT; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {  // codes k = 4q .. 4q + 3
+        __m256i bytes;
+        if constexpr (BITS == 4) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + g * 256 + 64 * (q >> 1) + 32 * h));
+          bytes = _mm256_and_si256((q & 1) ? _mm256_srli_epi16(v, 4) : v, mask);
+        } else {
+          bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 512 + 64 * q + 32 * h));
+        }
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));       // rows 0-3
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));  // rows 4-7
+        for (int i = 0; i < TT; ++i) {
+          int64_t four;
+          std::memcpy(&four, xq + (t0 + i) * K + g * kGroup + 4 * q, 8);
+          const __m256i xb = _mm256_set1_epi64x(four);
+          sum[i][0] = _mm256_add_epi32(sum[i][0], _mm256_madd_epi16(lo, xb));
+          sum[i][1] = _mm256_add_epi32(sum[i][1], _mm256_madd_epi16(hi, xb));
+        }
+      }
+      const __m256 s = _mm256_loadu_ps(sm + g * 32 + 8 * h);
+      const __m256 m = _mm256_loadu_ps(sm + g * 32 + 16 + 8 * h);
+      for (int i = 0; i < TT; ++i) {
+        const int64_t t = t0 + i;
+        // lanes 2r, 2r + 1 of sum[i][0] are row r's (rows 4 + r of sum[i][1]): hadd gives rows
+        // 0 1 4 5 2 3 6 7, the permute 0 .. 7
+        const __m256i d = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[i][0], sum[i][1]),
+                                                   _MM_SHUFFLE(3, 1, 2, 0));
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(dx[t * G + g]));
+        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[i][h]);
+        acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * G + g]), acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < TT; ++i) {
+    _mm256_storeu_ps(y + (t0 + i) * N + n0, acc[i][0]);
+    _mm256_storeu_ps(y + (t0 + i) * N + n0 + 8, acc[i][1]);
+  }
+}
+
+template <int BITS>
+void gemm(const int16_t* xq, const float* dx, const float* xs, int64_t T, int64_t K,
+          const uint8_t* w, const float* sm, int64_t N, float* y) {
+  const int64_t G = K / kGroup;
+  const int64_t blocks = N / kRows;
+  const int64_t wblock = G * (BITS == 4 ? 256 : 512);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = w + b * wblock;
+      const float* sb = sm + b * G * 32;
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4) block_rows<BITS, 4>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y);
+      switch (T - t) {
+        case 3: block_rows<BITS, 3>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y); break;
+        case 2: block_rows<BITS, 2>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y); break;
+        case 1: block_rows<BITS, 1>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y); break;
+        default: break;
+      }
+    }
+  });
+}
+
+#else
 // x float32 [T, K] -> xq = 256 * hi + lo as hi, lo int8 [T, K] each, dx = amax / 32512 and
 // xs = dx * sum(xq), float32 [T, G].
 void quantize_groups(const float* x, int64_t T, int64_t K, int8_t* hi, int8_t* lo, float* dx,
@@ -148,6 +276,8 @@ void gemm(const int8_t* hi, const int8_t* lo, const float* dx, const float* xs, 
   });
 }
 
+#endif
+
 at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm,
                        int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -162,23 +292,42 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(w.numel() == N * K * bits / 8 && w.scalar_type() == at::kByte, "vnni_linear: weight size");
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0) return y;
-  at::Tensor xq = at::empty({2, T, K}, x.options().dtype(at::kChar));
-  int8_t* hi = xq.data_ptr<int8_t>();
-  int8_t* lo = hi + T * K;
   at::Tensor scales = at::empty({2, T, G}, x.options());
   float* dx = scales.data_ptr<float>();
   float* xs = dx + T * G;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = sm.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(CE_VNNI_AVX2)
+  at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kShort));
+  int16_t* q = xq.data_ptr<int16_t>();
+  quantize_groups(x.data_ptr<float>(), T, K, q, dx, xs);
+  if (bits == 4)
+    gemm<4>(q, dx, xs, T, K, wp, sp, N, yp);
+  else
+    gemm<8>(q, dx, xs, T, K, wp, sp, N, yp);
+#else
+  at::Tensor xq = at::empty({2, T, K}, x.options().dtype(at::kChar));
+  int8_t* hi = xq.data_ptr<int8_t>();
+  int8_t* lo = hi + T * K;
   quantize_groups(x.data_ptr<float>(), T, K, hi, lo, dx, xs);
   if (bits == 4)
-    gemm<4>(hi, lo, dx, xs, T, K, w.data_ptr<uint8_t>(), sm.data_ptr<float>(), N, y.data_ptr<float>());
+    gemm<4>(hi, lo, dx, xs, T, K, wp, sp, N, yp);
   else
-    gemm<8>(hi, lo, dx, xs, T, K, w.data_ptr<uint8_t>(), sm.data_ptr<float>(), N, y.data_ptr<float>());
+    gemm<8>(hi, lo, dx, xs, T, K, wp, sp, N, yp);
+#endif
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(ce_cpu, m) {
-  m.def("vnni_linear(Tensor x, Tensor w, Tensor sm, int bits) -> Tensor");
+#if defined(CE_VNNI_AVX2)
+#define CE_VNNI_OP "vnni_linear_avx2"
+#else
+#define CE_VNNI_OP "vnni_linear"
+#endif
+
+TORCH_LIBRARY_FRAGMENT(ce_cpu, m) {
+  m.def(CE_VNNI_OP "(Tensor x, Tensor w, Tensor sm, int bits) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(ce_cpu, CPU, m) { m.impl("vnni_linear", &vnni_linear); }
+TORCH_LIBRARY_IMPL(ce_cpu, CPU, m) { m.impl(CE_VNNI_OP, &vnni_linear); }

@@ -17,11 +17,29 @@ from compile_engine.models.quant import (
     quant_linear_ref,
     quantize_int16_groups_ref,
     unpack_vnni,
-    vnni_cpu_supported,
+    vnni_cpu_isas,
     vnni_scales,
 )
 
-needs_vnni = pytest.mark.skipif(not vnni_cpu_supported(), reason="needs AVX-512 VNNI and g++")
+ISAS = vnni_cpu_isas()
+# Each build the machine runs (an AVX-512 machine runs both); none: skipped, with the reason.
+each_isa = pytest.mark.parametrize(
+    "isa",
+    ISAS or [pytest.param(None, marks=pytest.mark.skip(reason="needs AVX-512 VNNI or AVX2, g++"))],
+)
+
+
+def kernel(isa: str):
+    from compile_engine.kernels_generated.vnni_linear_cpu import load, vnni_linear
+
+    op = load(isa)
+
+    def run(x, packed, scales, scheme):
+        if isa == ISAS[0]:  # the machine's own: through the lowering the pass uses
+            return vnni_linear(x, packed, scales, None, None, str(scheme))
+        return op(x.float().contiguous(), packed, scales, scheme.bits)
+
+    return run
 
 
 def random_weight(weight: str, n: int, k: int, seed: int):
@@ -68,18 +86,16 @@ def test_a_groups_amax_takes_the_top_code_and_a_zero_group_zeros() -> None:
     assert torch.equal(zero[0], torch.zeros(1, 32, dtype=torch.int16)) and zero[1].item() == 0
 
 
-@needs_vnni
+@each_isa
 @pytest.mark.parametrize("weight", ["int4", "uint4", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 40])
-def test_kernel_equals_its_reference(weight: str, rows: int) -> None:
-    from compile_engine.kernels_generated.vnni_linear_cpu import vnni_linear
-
+def test_kernel_equals_its_reference(isa: str, weight: str, rows: int) -> None:
     n, k = 96, 192
     codes, scale = random_weight(weight, n, k, seed=rows)
     scheme, packed, scales = to_vnni(weight, codes, scale)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)) * 3
     x[0, :32] = 0  # an all-zero group
-    got = vnni_linear(x, packed, scales, None, None, str(scheme))
+    got = kernel(isa)(x, packed, scales, scheme)
     want = quant_linear_ref(x, packed, scales, None, None, str(scheme))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     # and close to the float32 product itself (16-bit activations)
@@ -87,14 +103,24 @@ def test_kernel_equals_its_reference(weight: str, rows: int) -> None:
     torch.testing.assert_close(got, exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
 
 
-@needs_vnni
-def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
-    from compile_engine.kernels_generated.vnni_linear_cpu import vnni_linear
-
+@each_isa
+def test_a_rows_result_does_not_depend_on_the_other_rows(isa: str) -> None:
     codes, scale = random_weight("uint4", 64, 128, seed=3)
     scheme, packed, scales = to_vnni("uint4", codes, scale)
     x = torch.randn(17, 128, generator=torch.Generator().manual_seed(2))
-    many = vnni_linear(x, packed, scales, None, None, str(scheme))
-    for t in (0, 8, 16):
-        one = vnni_linear(x[t : t + 1], packed, scales, None, None, str(scheme))
+    run = kernel(isa)
+    many = run(x, packed, scales, scheme)
+    for t in (0, 4, 8, 16):
+        one = run(x[t : t + 1], packed, scales, scheme)
         assert torch.equal(one[0], many[t])
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs a CPU with AVX-512 VNNI (it runs both builds)")
+@pytest.mark.parametrize("weight", ["uint4", "int8"])
+def test_the_avx2_build_equals_the_avx512_build_bit_for_bit(weight: str) -> None:
+    codes, scale = random_weight(weight, 64, 256, seed=5)
+    scheme, packed, scales = to_vnni(weight, codes, scale)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4)) * 5
+    x[3, 64:96] = 0
+    got = [kernel(isa)(x, packed, scales, scheme) for isa in ISAS]
+    assert torch.equal(got[0], got[1])

@@ -142,13 +142,18 @@ def test_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(smollm2_llm)
 @pytest.mark.slow
 def test_smollm2_defaults_compile_quantized_and_name_paris():
     """The README's main job: every default (GGUF "auto" dtype, compiled, prefix caching). On a
-    CPU with bfloat16 the file stays 4-bit, float32 around the int4 GEMMs (models/loader.py)."""
+    CPU with AVX-512 VNNI or AVX2 (our kernel), or bfloat16 (ATen's int4 GEMM), the file stays
+    4-bit, float32 around the integer GEMMs (models/loader.py)."""
     from compile_engine.models.loader import dequantized_dtype
+    from compile_engine.models.quant import vnni_cpu_supported
 
     llm = LLM("smollm2-135m", target="cpu", num_kv_blocks=256)
-    quantized = dequantized_dtype(torch.device("cpu")) == torch.bfloat16
+    vnni = vnni_cpu_supported()
+    quantized = vnni or dequantized_dtype(torch.device("cpu")) == torch.bfloat16
     assert llm.engine.loaded.dtype == torch.float32
     assert (llm.engine.loaded.quant is not None) == quantized
+    if vnni:
+        assert llm.engine.loaded.quant.scheme.layout == "vnni_cpu"
     assert llm.engine.compiled is not None and llm.engine.compiled.recompilations == 0
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
