@@ -95,26 +95,32 @@ inline void block_rows(const uint8_t* w, const float* sm, const int16_t* xq, con
   const int64_t G = K / kGroup;
   __m256 acc[TT][2];
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i mask = _mm256_set1_epi16(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     for (int h = 0; h < 2; ++h) {
       __m256i sum[TT][2];
       for (int i = 0; i < TT; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
       for (int q = 0; q < 8; ++q) {  // codes k = 4q .. 4q + 3
-        __m256i bytes;
+        // rows 0-3 and 4-7 of the half, each 16 bytes widened to 16 bits as they load
+        __m256i lo, hi;
         if constexpr (BITS == 4) {
-          const __m256i v = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(w + g * 256 + 64 * (q >> 1) + 32 * h));
-          bytes = _mm256_and_si256((q & 1) ? _mm256_srli_epi16(v, 4) : v, mask);
+          const uint8_t* p = w + g * 256 + 64 * (q >> 1) + 32 * h;
+          lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+          if (q & 1) {
+            lo = _mm256_srli_epi16(lo, 4);
+            hi = _mm256_srli_epi16(hi, 4);
+          }
+          lo = _mm256_and_si256(lo, mask);
+          hi = _mm256_and_si256(hi, mask);
         } else {
-          bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 512 + 64 * q + 32 * h));
+          const uint8_t* p = w + g * 512 + 64 * q + 32 * h;
+          lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
         }
-        const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));       // rows 0-3
-        const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));  // rows 4-7
         for (int i = 0; i < TT; ++i) {
-          int64_t four;
-          std::memcpy(&four, xq + (t0 + i) * K + g * kGroup + 4 * q, 8);
-          const __m256i xb = _mm256_set1_epi64x(four);
+          const __m256i xb = _mm256_broadcastq_epi64(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(xq + (t0 + i) * K + g * kGroup + 4 * q)));
           sum[i][0] = _mm256_add_epi32(sum[i][0], _mm256_madd_epi16(lo, xb));
           sum[i][1] = _mm256_add_epi32(sum[i][1], _mm256_madd_epi16(hi, xb));
         }
