@@ -114,17 +114,24 @@ def device_description(device: str | None = None) -> dict:
             cuda=torch.version.cuda,
         )
     else:
-        info["name"] = f"{info['cpu']} ({info['cpu_count']} cores)"
+        # The vector ISA ATen's kernels run: "AMD EPYC" names a Zen 3 (AVX2) and a Zen 4
+        # (AVX-512) alike, and the CPU kernels differ between the two.
+        info["isa"] = torch.backends.cpu.get_cpu_capability()
+        info["name"] = f"{info['cpu']} ({info['cpu_count']} cores, {info['isa']})"
     return info
 
 
 def device_slug(info: dict) -> str:
-    """'nvidia-h200' or 'cpu-amd-epyc': short, stable, safe in a file name."""
+    """'nvidia-h200', 'cpu-amd-epyc' (AVX-512) or 'cpu-amd-epyc-avx2': short, stable, safe in a
+    file name; a CPU below AVX-512 is suffixed with its ISA."""
     base = info["name"] if info["type"].startswith("cuda") else "cpu-" + info["cpu"]
     base = re.sub(r"\((r|tm)\)", "", base.lower())
     base = re.sub(r"\bcpu @.*$|@.*$", "", base)
-    slug = re.sub(r"[^a-z0-9]+", "-", base).strip("-")
-    return slug[:48].rstrip("-") or "unknown"
+    slug = re.sub(r"[^a-z0-9]+", "-", base).strip("-")[:48].rstrip("-") or "unknown"
+    isa = info.get("isa")
+    if not info["type"].startswith("cuda") and isa and not isa.startswith("AVX512"):
+        slug += "-" + isa.lower()
+    return slug
 
 
 def versions() -> dict[str, str]:

@@ -398,6 +398,9 @@ def test_write_result_names_and_records(tmp_path):
     assert device_slug({"type": "cpu", "cpu": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz"}) == (
         "cpu-intel-xeon-gold-6338"
     )
+    # the same name on an AVX2 part and an AVX-512 one: two devices
+    assert device_slug({"type": "cpu", "cpu": "AMD EPYC", "isa": "AVX2"}) == "cpu-amd-epyc-avx2"
+    assert device_slug({"type": "cpu", "cpu": "AMD EPYC", "isa": "AVX512"}) == "cpu-amd-epyc"
 
 
 def test_render_markdown(tmp_path):
