@@ -44,9 +44,20 @@ constexpr int64_t kRows = 16;  // output rows a vector (16 int32 lanes)
 constexpr float kLevels = 32512.0f;  // 127 * 256
 
 #if defined(CE_VNNI_AVX2)
-// x float32 [T, K] -> xq int16 [T, K], dx = amax / 32512 and xs = dx * sum(xq), float32
+constexpr int kRowTile = 4;  // activation rows a weight load serves (8 int32 sums)
+
+// The quantized activation: xq int16 [T, K], dx = amax / 32512 and xs = dx * sum(xq), float32
 // [T, G]: the same numbers as the AVX-512 build's (the same division, rounding and sum).
-void quantize_groups(const float* x, int64_t T, int64_t K, int16_t* xq, float* dx, float* xs) {
+struct Activations {
+  int16_t* xq;
+  float* dx;
+  float* xs;
+};
+
+void quantize_groups(const float* x, int64_t T, int64_t K, const Activations& act) {
+  int16_t* xq = act.xq;
+  float* dx = act.dx;
+  float* xs = act.xs;
   const int64_t G = K / kGroup;
   at::parallel_for(0, T * G, 64, [&](int64_t begin, int64_t end) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -90,8 +101,11 @@ void quantize_groups(const float* x, int64_t T, int64_t K, int16_t* xq, float* d
 // activation rows from t0. A half's 32 bytes hold 4 codes of each of its 8 rows; widened to 16
 // bits, each 32-bit lane is 2 codes of one row, times the same 2 activations (a broadcast of 4).
 template <int BITS, int TT>
-inline void block_rows(const uint8_t* w, const float* sm, const int16_t* xq, const float* dx,
-                       const float* xs, int64_t t0, int64_t K, int64_t N, int64_t n0, float* y) {
+inline void block_rows(const uint8_t* w, const float* sm, const Activations& act, int64_t t0,
+                       int64_t K, int64_t N, int64_t n0, float* y) {
+  const int16_t* xq = act.xq;
+  const float* dx = act.dx;
+  const float* xs = act.xs;
   const int64_t G = K / kGroup;
   __m256 acc[TT][2];
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -145,33 +159,23 @@ inline void block_rows(const uint8_t* w, const float* sm, const int16_t* xq, con
   }
 }
 
-template <int BITS>
-void gemm(const int16_t* xq, const float* dx, const float* xs, int64_t T, int64_t K,
-          const uint8_t* w, const float* sm, int64_t N, float* y) {
-  const int64_t G = K / kGroup;
-  const int64_t blocks = N / kRows;
-  const int64_t wblock = G * (BITS == 4 ? 256 : 512);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * wblock;
-      const float* sb = sm + b * G * 32;
-      int64_t t = 0;
-      for (; t + 4 <= T; t += 4) block_rows<BITS, 4>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y);
-      switch (T - t) {
-        case 3: block_rows<BITS, 3>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y); break;
-        case 2: block_rows<BITS, 2>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y); break;
-        case 1: block_rows<BITS, 1>(wb, sb, xq, dx, xs, t, K, N, b * kRows, y); break;
-        default: break;
-      }
-    }
-  });
-}
-
 #else
-// x float32 [T, K] -> xq = 256 * hi + lo as hi, lo int8 [T, K] each, dx = amax / 32512 and
-// xs = dx * sum(xq), float32 [T, G].
-void quantize_groups(const float* x, int64_t T, int64_t K, int8_t* hi, int8_t* lo, float* dx,
-                     float* xs) {
+constexpr int kRowTile = 8;  // activation rows a weight load serves
+
+// The quantized activation: xq = 256 * hi + lo as hi, lo int8 [T, K] each, dx = amax / 32512
+// and xs = dx * sum(xq), float32 [T, G].
+struct Activations {
+  int8_t* hi;
+  int8_t* lo;
+  float* dx;
+  float* xs;
+};
+
+void quantize_groups(const float* x, int64_t T, int64_t K, const Activations& act) {
+  int8_t* hi = act.hi;
+  int8_t* lo = act.lo;
+  float* dx = act.dx;
+  float* xs = act.xs;
   const int64_t G = K / kGroup;
   at::parallel_for(0, T * G, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -218,9 +222,12 @@ inline __m512i bcast4(const int8_t* p) {
 // vectors of 64 bytes, lane j's dword = codes k..k+3 of row j in the low nibbles and k+4..k+7
 // in the high ones (k = 8p); bits 8: 8 vectors, lane j's dword = codes k..k+3 (k = 4p).
 template <int BITS, int TT>
-inline void block_rows(const uint8_t* w, const float* sm, const int8_t* hi, const int8_t* lo,
-                       const float* dx,
-                       const float* xs, int64_t t0, int64_t K, int64_t N, int64_t n0, float* y) {
+inline void block_rows(const uint8_t* w, const float* sm, const Activations& act, int64_t t0,
+                       int64_t K, int64_t N, int64_t n0, float* y) {
+  const int8_t* hi = act.hi;
+  const int8_t* lo = act.lo;
+  const float* dx = act.dx;
+  const float* xs = act.xs;
   const int64_t G = K / kGroup;
   __m512 acc[TT];
   for (int i = 0; i < TT; ++i) acc[i] = _mm512_setzero_ps();
@@ -256,9 +263,23 @@ inline void block_rows(const uint8_t* w, const float* sm, const int8_t* hi, cons
   for (int i = 0; i < TT; ++i) _mm512_storeu_ps(y + (t0 + i) * N + n0, acc[i]);
 }
 
+#endif
+
+// kRowTile activation rows a call, then the rest in one call of its size.
+template <int BITS, int TT>
+inline void tail_rows(int64_t left, const uint8_t* w, const float* sm, const Activations& a,
+                      int64_t t0, int64_t K, int64_t N, int64_t n0, float* y) {
+  if constexpr (TT > 0) {
+    if (left == TT)
+      block_rows<BITS, TT>(w, sm, a, t0, K, N, n0, y);
+    else
+      tail_rows<BITS, TT - 1>(left, w, sm, a, t0, K, N, n0, y);
+  }
+}
+
 template <int BITS>
-void gemm(const int8_t* hi, const int8_t* lo, const float* dx, const float* xs, int64_t T, int64_t K,
-          const uint8_t* w, const float* sm, int64_t N, float* y) {
+void gemm(const Activations& a, int64_t T, int64_t K, const uint8_t* w, const float* sm,
+          int64_t N, float* y) {
   const int64_t G = K / kGroup;
   const int64_t blocks = N / kRows;
   const int64_t wblock = G * (BITS == 4 ? 256 : 512);
@@ -267,22 +288,12 @@ void gemm(const int8_t* hi, const int8_t* lo, const float* dx, const float* xs, 
       const uint8_t* wb = w + b * wblock;
       const float* sb = sm + b * G * 32;
       int64_t t = 0;
-      for (; t + 8 <= T; t += 8) block_rows<BITS, 8>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y);
-      switch (T - t) {
-        case 7: block_rows<BITS, 7>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        case 6: block_rows<BITS, 6>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        case 5: block_rows<BITS, 5>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        case 4: block_rows<BITS, 4>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        case 3: block_rows<BITS, 3>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        case 2: block_rows<BITS, 2>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        case 1: block_rows<BITS, 1>(wb, sb, hi, lo, dx, xs, t, K, N, b * kRows, y); break;
-        default: break;
-      }
+      for (; t + kRowTile <= T; t += kRowTile)
+        block_rows<BITS, kRowTile>(wb, sb, a, t, K, N, b * kRows, y);
+      tail_rows<BITS, kRowTile - 1>(T - t, wb, sb, a, t, K, N, b * kRows, y);
     }
   });
 }
-
-#endif
 
 at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm,
                        int64_t bits) {
@@ -306,22 +317,16 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
 #if defined(CE_VNNI_AVX2)
   at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kShort));
-  int16_t* q = xq.data_ptr<int16_t>();
-  quantize_groups(x.data_ptr<float>(), T, K, q, dx, xs);
-  if (bits == 4)
-    gemm<4>(q, dx, xs, T, K, wp, sp, N, yp);
-  else
-    gemm<8>(q, dx, xs, T, K, wp, sp, N, yp);
+  const Activations a{xq.data_ptr<int16_t>(), dx, xs};
 #else
   at::Tensor xq = at::empty({2, T, K}, x.options().dtype(at::kChar));
-  int8_t* hi = xq.data_ptr<int8_t>();
-  int8_t* lo = hi + T * K;
-  quantize_groups(x.data_ptr<float>(), T, K, hi, lo, dx, xs);
-  if (bits == 4)
-    gemm<4>(hi, lo, dx, xs, T, K, wp, sp, N, yp);
-  else
-    gemm<8>(hi, lo, dx, xs, T, K, wp, sp, N, yp);
+  const Activations a{xq.data_ptr<int8_t>(), xq.data_ptr<int8_t>() + T * K, dx, xs};
 #endif
+  quantize_groups(x.data_ptr<float>(), T, K, a);
+  if (bits == 4)
+    gemm<4>(a, T, K, wp, sp, N, yp);
+  else
+    gemm<8>(a, T, K, wp, sp, N, yp);
   return y;
 }
 
