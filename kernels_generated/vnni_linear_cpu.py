@@ -88,6 +88,7 @@ def machine_isa() -> str:
     return isas[0]
 
 
+@functools.cache  # called per linear where it runs eagerly: resolved once
 def load(isa: str | None = None) -> Callable[..., Tensor]:
     """Build (once per source, torch version, flags and ISA) and load the kernel's build for
     `isa` (default: the machine's fastest); returns its op."""

@@ -338,6 +338,7 @@ VNNI_CPU_ISAS = {
 }
 
 
+@functools.cache  # the CPU's flags and the compiler do not change while a process runs
 def vnni_cpu_isas() -> tuple[str, ...]:
     """The builds of the vnni_cpu layout's kernel this machine runs, fastest first: x86 on Linux
     with a C++ compiler to build them with (kernels_generated/vnni_linear_cpu.py builds each
