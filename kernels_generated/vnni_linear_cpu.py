@@ -149,16 +149,19 @@ def vnni_linear(
 class VnniLogits:
     """A tied Q8_0 lm_head (a QuantEmbedding's int8 codes) on the kernel: the codes packed once
     more, into the vnni_cpu layout (+28 MB for SmolLM2's [49152, 576]; the embedding's gather
-    keeps reading rows of the plain one). Nothing to compile: `warm` is a no-op."""
+    keeps reading rows of the plain one), at `warm`: the engine builds this head before the
+    weights are read (on a thread, runtime/builder.py) and warms it once they are. Packed at
+    construction, a second engine in a process (its imports done, so built sooner) packed codes
+    not yet read and answered garbage."""
 
     def __init__(self, embedding: torch.nn.Module) -> None:
         scheme = embedding.quant_scheme
         if not self.runs(embedding):
             raise ValueError(f"VnniLogits runs int8 group-32 weights of 16k rows, not {scheme}")
         self.op = load()
-        codes = (embedding.weight.to(torch.int16) + VNNI_CODE_OFFSET["int8"]).to(torch.uint8)
-        self.weight = pack_vnni(codes, 8)
-        self.scales = vnni_scales(embedding.weight_scale, scheme)
+        self.embedding = embedding
+        self.weight: Tensor | None = None
+        self.scales: Tensor | None = None
 
     @staticmethod
     def runs(embedding: torch.nn.Module) -> bool:
@@ -171,8 +174,15 @@ class VnniLogits:
         )
 
     def __call__(self, hidden: Tensor) -> Tensor:
+        if self.weight is None:
+            raise RuntimeError("VnniLogits is packed at warm(), once the weights are read")
         rows = hidden.float().contiguous()
         return self.op(rows, self.weight, self.scales, 8).to(hidden.dtype)
 
     def warm(self, hidden_size: int, dtype: torch.dtype) -> None:
-        """The interface Q8Logits has: this head compiles nothing."""
+        """Pack the embedding's codes and scales (their values read by now); nothing to
+        compile. Q8Logits' interface: the arguments are its."""
+        embedding = self.embedding
+        codes = (embedding.weight.to(torch.int16) + VNNI_CODE_OFFSET["int8"]).to(torch.uint8)
+        self.weight = pack_vnni(codes, 8)
+        self.scales = vnni_scales(embedding.weight_scale, embedding.quant_scheme)

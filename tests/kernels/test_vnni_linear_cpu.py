@@ -124,3 +124,29 @@ def test_the_avx2_build_equals_the_avx512_build_bit_for_bit(weight: str) -> None
     x[3, 64:96] = 0
     got = [kernel(isa)(x, packed, scales, scheme) for isa in ISAS]
     assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.skipif(not ISAS, reason="needs AVX-512 VNNI or AVX2, g++")
+def test_the_lm_head_packs_the_codes_it_is_warmed_with_not_those_it_was_built_over() -> None:
+    """The engine builds the tied Q8_0 head before the weight read fills the embedding and warms
+    it after (compiler/compiled_model.py); packed at construction, a second engine in a process
+    answered garbage. The head then equals the reference over the codes read."""
+    from compile_engine.kernels_generated.vnni_linear_cpu import VnniLogits
+    from compile_engine.models.quant import QuantEmbedding
+
+    vocab, hidden = 64, 96
+    scheme = QuantScheme("group", "none", weight="int8", group=32)
+    embedding = QuantEmbedding(vocab, hidden, scheme, torch.float32)
+    with torch.no_grad():
+        embedding.weight.zero_()
+        embedding.weight_scale.zero_()
+    head = VnniLogits(embedding)
+    codes, scale = random_weight("int8", vocab, hidden, seed=5)
+    with torch.no_grad():
+        embedding.weight.copy_(codes)
+        embedding.weight_scale.copy_(scale)
+    head.warm(hidden, torch.float32)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1))
+    want = embedding.logits(x)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(head(x), want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
