@@ -311,7 +311,7 @@ async def _detokenize(request: web.Request) -> web.Response:
     req = await read_json(request, DetokenizeRequest)
     check_model(state, req.model)
     vocab = state.engine.model_config.vocab_size
-    if any(t >= vocab for t in req.tokens):
+    if req.tokens and max(req.tokens) >= vocab:  # max() in C: a 1M-id list in ~10 ms
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     if state.engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
