@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_infer
 from torch.fx.passes.split_module import split_module
 
+from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_decode_cpu
 from compile_engine.models import vocabulary  # also registers every torch.ops.ce op
 from compile_engine.passes.manager import PassManager
 
@@ -93,6 +96,7 @@ class BackendStats:
     pass_seconds: float = 0.0
     seconds: float = 0.0  # passes + split + Inductor
     before_first_run_seconds: float = 0.0  # in the caller's hook (waiting for the weights)
+    outlined: int = 0  # runs of nodes called as a shared subgraph (`outline_layers`)
 
     @property
     def unique_pieces(self) -> int:
@@ -104,6 +108,7 @@ class BackendStats:
             "num_pieces": len(self.pieces),
             "num_attention_pieces": sum(p.is_attention for p in self.pieces),
             "num_compiled_pieces": self.unique_pieces,
+            "outlined": self.outlined,
             "host_sync_ops": self.host_sync_ops,
             "trace_seconds": round(self.trace_seconds, 2),
             "pass_seconds": round(self.pass_seconds, 2),
@@ -122,22 +127,116 @@ class BackendStats:
         }
 
 
-def split_at_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
-    """Partition the graph so that each attention op is alone in its piece."""
+def split_at_attention(
+    gm: fx.GraphModule, is_split: Callable[[fx.Node], bool] = is_split_node
+) -> tuple[fx.GraphModule, list[str]]:
+    """Partition the graph so that each attention op (each node `is_split` picks) is alone in
+    its piece."""
     partition = 0
     assignment: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if is_split_node(node):
+        if is_split(node):
             partition += 1
             assignment[node] = partition
             partition += 1
         else:
             assignment[node] = partition
     split = split_module(gm, None, lambda node: assignment[node], keep_original_order=True)
-    attention = {f"submod_{assignment[n]}" for n in assignment if is_split_node(n)}
+    attention = {f"submod_{assignment[n]}" for n in assignment if is_split(n)}
     return split, sorted(attention)
+
+
+def is_decode_attention(node: fx.Node) -> bool:
+    """The CPU decode graph's attention (passes/paged_attention_cpu.py, `decode_only`)."""
+    return node.op == "call_function" and node.target is paged_attention_decode_cpu
+
+
+def outline_layers(
+    gm: fx.GraphModule, fake_args: list, is_boundary: Callable[[fx.Node], bool]
+) -> tuple[fx.GraphModule, int]:
+    """`gm` with every run of nodes between two boundary nodes that recurs (a layer's output
+    projection, norms, MLP and next QKV between two attentions) called as one shared subgraph
+    (`invoke_subgraph_infer`), which Inductor compiles once and every layer calls: a graph
+    that stays whole (the CPU decode graph) need not compile 30 copies of a layer. Returns the
+    graph (a split one: each run its submodule) and how many runs share a subgraph."""
+    split, boundaries = split_at_attention(gm, is_boundary)
+    walk = _PieceKeys(split)
+    keys = walk.keys(fake_args)
+    counts: dict[str, int] = {}
+    for target, key in keys.items():
+        if target not in boundaries:
+            counts[key] = counts.get(key, 0) + 1
+    shared: dict[str, str] = {}  # key -> the region's attribute name
+    outlined = 0
+    graph = split.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module" or node.target in boundaries:
+            continue
+        key = keys[node.target]
+        if counts[key] < 2:
+            continue
+        if key not in shared:
+            shared[key] = f"region_{len(shared)}"
+            region = _as_region(split.get_submodule(node.target), walk.outputs[node.target])
+            split.add_submodule(shared[key], region)
+        region = split.get_submodule(shared[key])
+        with graph.inserting_before(node):
+            call = graph.call_function(call_region, (graph.get_attr(shared[key]), *node.args))
+        if region.returns_one:
+            with graph.inserting_after(call):
+                node.replace_all_uses_with(graph.call_function(operator.getitem, (call, 0)))
+        else:
+            node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        delattr(split, node.target)  # the region stays, by its own name
+        outlined += 1
+    split.recompile()
+    return split, outlined
+
+
+def call_region(region: fx.GraphModule, *args):
+    """`invoke_subgraph_infer(region, *args)`: traced (AOTAutograd), one subgraph however many
+    calls; in eager, a plain call. A function of ours, since FX's generated code names its
+    targets by module path, and torch._higher_order_ops.invoke_subgraph is a HOP's name too."""
+    return invoke_subgraph_infer(region, *args)
+
+
+def _as_region(gm: fx.GraphModule, fake_out) -> fx.GraphModule:
+    """`gm` as a subgraph: returning a tuple (`returns_one` set where it returned one value),
+    every output contiguous."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    value = output.args[0]
+    gm.returns_one = not isinstance(value, tuple | list)
+    values = [value] if gm.returns_one else list(value)
+    fakes = [fake_out] if gm.returns_one else list(fake_out)
+    with gm.graph.inserting_before(output):
+        values = [
+            gm.graph.call_method("contiguous", (v,))
+            if isinstance(f, torch.Tensor) and not f.is_contiguous()
+            else v
+            for v, f in zip(values, fakes, strict=True)
+        ]
+    output.args = (tuple(values),)
+    gm.recompile()
+    return gm
+
+
+class _PieceKeys(torch.fx.Interpreter):
+    """Walks a split graph on fake tensors for each piece's `structural_key`."""
+
+    def keys(self, fake_args: list) -> dict[str, str]:
+        self.found: dict[str, str] = {}
+        self.outputs: dict[str, object] = {}
+        self.run(*fake_args)
+        return self.found
+
+    def call_module(self, target, args, kwargs):
+        self.found[target] = structural_key(self.fetch_attr(target), list(args))
+        out = super().call_module(target, args, kwargs)
+        self.outputs[target] = out
+        return out
 
 
 def structural_key(gm: fx.GraphModule, args: list) -> str:
@@ -169,9 +268,17 @@ def structural_key(gm: fx.GraphModule, args: list) -> str:
 class PiecewiseBackend:
     """The callable handed to torch.compile(backend=...)."""
 
-    def __init__(self, pass_manager: PassManager, compile_piece: Callable | None = None) -> None:
+    def __init__(
+        self,
+        pass_manager: PassManager,
+        compile_piece: Callable | None = None,
+        outline_between: Callable[[fx.Node], bool] | None = None,
+    ) -> None:
         self.pass_manager = pass_manager
         self.compile_piece = compile_piece or inductor_compile
+        # A graph that does not split (the CPU decode graph): the nodes between which its
+        # recurring runs are outlined into shared subgraphs (`outline_layers`).
+        self.outline_between = outline_between
         self.stats = BackendStats()
         self.graph: fx.GraphModule | None = None
         self.capture_started: float | None = None  # set by the caller to time Dynamo
@@ -196,12 +303,15 @@ class PiecewiseBackend:
         gm.recompile()
         self.stats.host_sync_ops = host_sync_ops(gm.graph)
         self.stats.pass_seconds = time.perf_counter() - start
-        split, attention = split_at_attention(gm)
-        self.graph = split
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         fake_args = [
             fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs
         ]
+        if self.outline_between is not None:
+            with fake_mode:
+                gm, self.stats.outlined = outline_layers(gm, fake_args, self.outline_between)
+        split, attention = split_at_attention(gm)
+        self.graph = split
         # Under the fake mode, so that a piece's factory calls (the CPU decode attention's
         # arange) make fake tensors too.
         with fake_mode:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compile_engine.compiler.backend import PiecewiseBackend
+from compile_engine.compiler.backend import PiecewiseBackend, is_decode_attention
 from compile_engine.compiler.config import CompileConfig, apply_inductor_settings
 from compile_engine.kernels_generated.int_linear_cpu import Q8Logits
 from compile_engine.kernels_generated.paged_attention_cpu import paged_attention_decode_cpu
@@ -206,7 +206,9 @@ class CompiledForward:
         self.decode_backend: PiecewiseBackend | None = None
         if config.target == "cpu":
             ctx = PassContext(config.target, dtype, config.kernel, decode_only=True)
-            self.decode_backend = PiecewiseBackend(PassManager(select(config.passes), ctx))
+            self.decode_backend = PiecewiseBackend(
+                PassManager(select(config.passes), ctx), outline_between=is_decode_attention
+            )
             self._decode_fn = _compile_forward(model, self.decode_backend, dynamic=None)
         self.capture_seconds = 0.0
         # A quantized tied lm_head (GGUF Q8_0) on the CPU: its GEMV compiled apart, since the

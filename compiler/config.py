@@ -91,6 +91,11 @@ def apply_inductor_settings(config: CompileConfig) -> Path:
     inductor_config.triton.enable_pdl = False
     if config.target == "h100":
         pin_triton_toolchain()
+    # On the CPU no `assert_size_stride` on each input of each compiled graph and subgraph:
+    # the runner hands the graphs the shapes and strides they were traced with (Dynamo's guards
+    # check them), and the checks were a tenth of SmolLM2's batch-1 step on the 2-core EPYC
+    # (docs/compiler.md). CUDA keeps them: its decode steps replay graphs. A cache-key setting.
+    inductor_config.size_asserts = config.target != "cpu"
     # Floats such as eps stay constants in the graph instead of becoming inputs.
     dynamo_config.specialize_float = True
     # One graph per model is captured once; later calls must never retrace it.

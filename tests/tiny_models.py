@@ -32,7 +32,8 @@ TINY_ARCHS: dict[str, tuple[str, str, dict]] = {
     "llama-mha-tied": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        {"num_key_value_heads": 4, "tie_word_embeddings": True},
+        # Four layers: the CPU decode graph calls the three between attentions as one subgraph.
+        {"num_key_value_heads": 4, "tie_word_embeddings": True, "num_hidden_layers": 4},
     ),
     "llama3-rope": (
         "LlamaConfig",

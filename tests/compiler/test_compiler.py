@@ -44,6 +44,9 @@ def test_compiled_greedy_equals_hf_and_eager(tiny):
     assert stats.unique_pieces == 3  # first layer, the shared middle, the last
     # On the cpu target attention stays on its reference, which reads seq_lens on the host.
     assert stats.host_sync_ops == ["paged_attention"]
+    # The decode graph stays whole; its runs between attentions that recur (layers 1..N-1's
+    # tails and heads, from 3 layers) are one subgraph that each calls (compiler/backend.py).
+    assert compiled.decode_backend.stats.outlined == (layers - 1 if layers >= 3 else 0)
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=5)
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):

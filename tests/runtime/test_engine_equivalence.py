@@ -154,6 +154,7 @@ def test_smollm2_defaults_compile_quantized_and_name_paris():
     assert (llm.engine.loaded.quant is not None) == quantized
     if vnni:
         assert llm.engine.loaded.quant.scheme.layout == "vnni_cpu"
+    assert llm.engine.compiled.decode_backend.stats.outlined == 29  # layers 1..29 one subgraph
     assert llm.engine.compiled is not None and llm.engine.compiled.recompilations == 0
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
