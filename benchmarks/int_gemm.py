@@ -12,8 +12,8 @@ against bf16 cuBLAS on the same shape. A config must match the reference (`int_l
 bf16 rounding) before it is timed.
 
 --write-configs writes the h100 entries of kernels_generated/configs/int_gemm.json: per (N, K,
-M) the fastest config. The int4 and int8 cells share (N, K, M) keys, so only one weight kind's
-sweep is written: the first of --weights.
+M) swept the fastest config; the entries of keys not swept stay. The int4 and int8 cells share
+(N, K, M) keys, so only one weight kind's sweep is written: the first of --weights.
 """
 
 from __future__ import annotations
@@ -36,17 +36,18 @@ SCHEMES = {"int4": f"int4:group{GROUP}:none", "int8": f"int8:group{GROUP}:none"}
 
 
 def candidates(rows: int) -> list[dict]:
-    """Launch configs worth timing at `rows` rows (block_k is at most the group: a tile lies in
-    one group's scale), the modes interleaved so that a cell cut short by the budget has timed
-    some of each."""
+    """Launch configs worth timing at `rows` rows (a dot tile lies in one group, block_k at most
+    the group; an fma tile may span groups), the modes interleaved so that a cell cut short by
+    the budget has timed some of each."""
     out = []
-    if rows <= 4:
-        for bn in (16, 32, 64):
-            for warps, stages in ((4, 4), (2, 4), (4, 6)):
-                for pps in (2, 4, 8):
-                    out.append(dict(mode="fma", block_m=max(1, 1 << (rows - 1).bit_length()),
-                                    block_n=bn, block_k=GROUP, num_warps=warps,
-                                    num_stages=stages, programs_per_sm=pps))  # fmt: skip
+    if rows <= 4:  # the few-row form: tiles of several groups, chunks of 16 bytes a thread
+        for bn in (16, 32):
+            for bk in (256, 512, 1024):
+                for warps, stages in ((4, 3), (2, 3), (8, 3)):
+                    for pps in (2, 8):
+                        out.append(dict(mode="fma", block_m=max(1, 1 << (rows - 1).bit_length()),
+                                        block_n=bn, block_k=bk, num_warps=warps,
+                                        num_stages=stages, programs_per_sm=pps))  # fmt: skip
     if rows <= 16:
         for bn in (32, 64, 128):
             for warps, stages in ((4, 4), (8, 4)):
@@ -183,8 +184,11 @@ def write_configs(cells: list[dict], kind: str, path: str) -> None:
         cublas = round(cell["variants"]["bf16_cublas"]["us"], 2)
         entries.append(ConfigEntry(key, best["config"], {**info, "us": round(best["us"], 2),
                                                           "bf16_cublas_us": cublas}))  # fmt: skip
-    note = table.targets["h100"].note if "h100" in table.targets else ""
-    table.targets["h100"] = TargetConfigs(True, entries, note)
+    section = table.targets.get("h100")
+    swept = {tuple(sorted(e.key.items())) for e in entries}
+    kept = [e for e in (section.entries if section else [])
+            if tuple(sorted(e.key.items())) not in swept]  # fmt: skip
+    table.targets["h100"] = TargetConfigs(True, kept + entries, section.note if section else "")
     table.save(path)
     print(f"wrote {len(entries)} h100 entries to {path}")
 

@@ -16,9 +16,15 @@ One Triton kernel, dequantizing in registers, for every row count:
   group's scale. So the dequantization is exact and the product differs from the reference
   (`quant_linear_ref`: dequantize in float32, matmul) by the order of accumulation only: the
   scale multiplies a tile's sum rather than each term.
-- FMA (a few rows): the codes read as int32 words, each OR-ed into float32's mantissa under
-  2^23 (no conversion instruction), a broadcast multiply and a sum over K in float32, no
-  tensor cores (a 16-row tile would be mostly padding). Otherwise `tl.dot` on tensor cores:
+- FMA (a few rows, `_int_fma_kernel`): no tensor cores (a 16-row tile would be mostly
+  padding). A tile of BLOCK_N rows x BLOCK_K columns may span groups; each thread reads its
+  codes as int32 words, four at a time (16 bytes, in one group), and for each code position
+  shifts the codes out and ORs them into float32's mantissa under 2^23 (one LOP3: no
+  integer-to-float conversion, which Hopper issues at an eighth of the FMA rate), multiplying
+  them with the activations of their columns into its own accumulators; a chunk's sum takes
+  its group's scale once a tile, and the only reduction across threads is after the K loop
+  (the first form reduced across threads every tile and lost to the padded dot everywhere).
+  Otherwise `tl.dot` on tensor cores:
   at most 16 rows the "skinny" config, above 16 the "tiles" config (64 x 128 tiles): a
   tensor-core GEMM that dequantizes each weight tile in registers on its way to the MMA.
 - 4-bit tiles, dequant "convert": a byte per two codes, the activation's even and odd columns
@@ -122,6 +128,41 @@ def _mma(x, w, SWAP: tl.constexpr):
     return out
 
 
+@triton.jit
+def _finish(acc, offs_m, offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om, split_k):
+    """Store a program's [BM, BN] sum, or with split-K its float32 partial, and the last of the
+    output tile's programs to arrive sums the partials in split order. Programs are laid out
+    (N tile, K slice, M tile)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    o_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o_mask = mask_m[:, None] & mask_n[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if split_k == 1:
+        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
+    else:
+        plane = M.to(tl.int64) * N
+        p_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
+        # Every thread's partial is stored before the one atomic publishes it (release at GPU
+        # scope); the last arrival acquires the others'.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, split_k):
+                # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
+                total += tl.load(
+                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0)
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "k_tiles"])
 def _int_linear_kernel(
     x_ptr,  # [M, K], unit stride along K
@@ -144,7 +185,6 @@ def _int_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FMA: tl.constexpr,
     BITS_DEQUANT: tl.constexpr,  # 4-bit dot tiles through the mantissa (IntLaunch.dequant)
     SWAP: tl.constexpr,  # dot tiles: the weight as the left operand (IntLaunch.swap)
 ):
@@ -159,8 +199,7 @@ def _int_linear_kernel(
     WIDTH: tl.constexpr = BLOCK_K // 2 if BITS == 4 else BLOCK_K  # code bytes a tile row
     offs_j = tl.arange(0, WIDTH)
     row_bytes = K // 2 if BITS == 4 else K
-    row_items = row_bytes // 4 if FMA else row_bytes  # FMA reads the codes as int32 words
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_items  # [BN, 1]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes  # [BN, 1]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -201,30 +240,6 @@ def _int_linear_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
             part = _mma(xk, w, SWAP)
-        elif FMA:
-            # Few rows, no tensor cores: the codes come as int32 words (w_ptr is the weight's
-            # int32 view), each code shifted out and OR-ed into float32's mantissa under 2^23,
-            # which reads as 2^23 + c: no conversion instruction (an eighth of the FMA rate on
-            # Hopper; the byte-wise form was conversion-bound), exact as the reference's.
-            PER_WORD: tl.constexpr = 32 // BITS
-            WORDS: tl.constexpr = BLOCK_K // PER_WORD
-            words = tl.load(
-                w_rows + (k0 // PER_WORD + tl.arange(0, WORDS))[None, :],
-                mask=mask_n[:, None],
-                other=0,
-            )  # [BN, WORDS]: word j holds columns PER_WORD * j + i in its i-th code
-            shifts = tl.arange(0, PER_WORD) * BITS
-            codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-            if BITS == 8 and not ZP:
-                codes = codes ^ 128  # two's complement int8 -> q + 128
-            biased = tl.reshape(codes | 0x4B000000, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True)
-            if ZP:
-                w = (biased - 8388608.0) - zero  # zero: the group's, a float
-            else:
-                w = biased - (8388608.0 + (128 if BITS == 8 else ZERO))
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-            part = tl.sum(xk.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
         elif BITS == 4:
             b = tl.load(w_rows + (k0 // 2 + offs_j)[None, :], mask=mask_n[:, None], other=0)
             lo = (b & 15).to(tl.float32) - zero  # [BN, BK / 2]: columns k0 + 2 j
@@ -245,29 +260,103 @@ def _int_linear_kernel(
             acc += part * scale[None, :]
     if SWAP:
         acc = tl.trans(acc)  # [BM, BN]
-    o_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    o_mask = mask_m[:, None] & mask_n[None, :]
-    out_dtype = out_ptr.dtype.element_ty
-    if split_k == 1:
-        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
+    _finish(acc, offs_m, offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om, split_k)
+
+
+@triton.jit(do_not_specialize=["M", "split_k", "k_tiles"])
+def _int_fma_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # the codes' int32 view [N, K * BITS / 32]
+    s_ptr,  # [N, G] scales, or [N, G, 2] (s, z) with ZP
+    out_ptr,  # [M, N], unit stride along N
+    ws_ptr,  # [split_k, M, N] float32 partials (split_k > 1)
+    counter_ptr,  # [>= tiles] int32, zero between calls
+    M,
+    N,
+    K,
+    k_tiles,  # BLOCK_K tiles per K-slice
+    split_k,
+    stride_xm,
+    stride_om,
+    magic,  # 0x4B000000 (2^23 in float32) and the code mask, runtime values so that the
+    code_mask,  # compiler ORs and masks in one LOP3 (with constants it emits a bit-field extract)
+    flip,  # XOR-ed into each word: 0x80808080 turns int8 codes into q + 128, else 0
+    BITS: tl.constexpr,  # 4 or 8
+    ZP: tl.constexpr,  # a zero point per group beside the scale
+    ZERO: tl.constexpr,  # the fixed zero point without ZP (8 for int4, 128 for flipped int8)
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of CHUNK; may span several groups
+):
+    """The few-row form: no tensor cores, no reduction across threads inside the K loop.
+
+    A tile is [BLOCK_N weight rows, BLOCK_K columns] read as int32 words in chunks of four (16
+    bytes, one vector load); a chunk's codes lie in one group. For each code position i of a
+    word, the codes are shifted out, OR-ed into float32's mantissa under 2^23 (2^23 + c, no
+    conversion instruction) and multiplied with the activations of their columns, so each
+    thread accumulates its own words' products elementwise; a chunk's sum is scaled by its
+    group's scale once a tile, and the one reduction across threads is after the loop."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    PER_WORD: tl.constexpr = 32 // BITS
+    CW: tl.constexpr = 4  # words a chunk: one 16-byte load
+    CHUNK: tl.constexpr = CW * PER_WORD  # codes a chunk
+    NCH: tl.constexpr = BLOCK_K // CHUNK
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    groups = K // GROUP
+    word_idx = tl.arange(0, NCH)[:, None] * CW + tl.arange(0, CW)[None, :]  # [NCH, CW]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * (K // PER_WORD)  # [BN, 1, 1]
+    x_rows = x_ptr + offs_m.to(tl.int64)[None, None, :] * stride_xm  # [1, 1, BM]
+    chunk_first = tl.arange(0, NCH) * CHUNK
+    magic_bits = magic.to(tl.uint32, bitcast=True)
+    mask_bits = code_mask.to(tl.uint32, bitcast=True)
+    flip_bits = flip.to(tl.uint32, bitcast=True)
+    # One row: [BN, NCH, CW] tiles in the words' own layout (with a 4th dimension for the rows,
+    # Triton moved every dequantized tile through shared memory to match a default layout).
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, NCH, CW], dtype=tl.float32)
     else:
-        plane = M.to(tl.int64) * N
-        p_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
-        # Every thread's partial is stored before the one atomic publishes it (release at GPU
-        # scope); the last arrival acquires the others'.
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, split_k):
-                # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
-                total += tl.load(
-                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)
+        acc = tl.zeros([BLOCK_N, NCH, CW, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * k_tiles * BLOCK_K
+    for t in range(0, k_tiles):
+        k0 = k_begin + t * BLOCK_K
+        words = tl.load(
+            w_rows + (k0 // PER_WORD + word_idx)[None, :, :], mask=mask_n[:, None, None], other=0
+        ).to(tl.uint32, bitcast=True)  # [BN, NCH, CW]: word j holds columns PER_WORD * j + i
+        words = words ^ flip_bits
+        g_offs = offs_n.to(tl.int64)[:, None] * groups + ((k0 + chunk_first) // GROUP)[None, :]
+        if ZP:  # the chunk's group's (s, z): [BN, NCH]
+            scale = tl.load(s_ptr + g_offs * 2, mask=mask_n[:, None], other=0.0)
+            bias = tl.load(s_ptr + g_offs * 2 + 1, mask=mask_n[:, None], other=0.0) + 8388608.0
+            bias = bias[:, :, None]
+        else:
+            scale = tl.load(s_ptr + g_offs, mask=mask_n[:, None], other=0.0)
+            bias = 8388608.0 + ZERO
+        part = tl.zeros_like(acc)
+        for i in tl.static_range(PER_WORD):
+            codes = (words >> (i * BITS)) & mask_bits
+            w = (codes | magic_bits).to(tl.float32, bitcast=True) - bias  # exact: c - zero
+            cols = k0 + i + word_idx * PER_WORD  # [NCH, CW]: the columns of the i-th codes
+            if BLOCK_M == 1:
+                xi = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + cols).to(tl.float32)
+                part += w * xi[None, :, :]
+            else:
+                xi = tl.load(x_rows + cols[:, :, None], mask=mask_m[None, None, :], other=0.0)
+                part += w[:, :, :, None] * xi.to(tl.float32)[None, :, :, :]
+        if BLOCK_M == 1:
+            acc += part * scale[:, :, None]
+        else:
+            acc += part * scale[:, :, None, None]
+    if BLOCK_M == 1:
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
+    else:
+        out = tl.trans(tl.sum(tl.sum(acc, axis=2), axis=1))  # [BM, BN]
+    _finish(out, offs_m, offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om, split_k)
 
 
 INTERPRETED = not isinstance(_int_linear_kernel, JITFunction)
@@ -354,15 +443,22 @@ def run_int_linear(
         return out.view(*x.shape[:-1], n_size)
     if launch is None:
         launch = launch_config(kernel_config.key, n_size, k_size, bucket_tokens(rows))
-    block_k = min(launch.block_k, parsed.group)  # a tile lies in one group
-    if launch.mode == "dot" and parsed.bits == 4 and block_k < 32:
-        raise IntLinearError(
-            f"{scheme}: 4-bit groups of {parsed.group} are too short for the tensor-core dot "
-            "(16 columns a nibble half); groups of >= 32"
-        )
-    block_m = launch.block_m if launch.mode == "fma" else max(16, launch.block_m)
-    if launch.mode == "fma":
-        block_m = min(block_m, triton.next_power_of_2(rows))
+    fma = launch.mode == "fma"
+    if fma:
+        chunk = 128 // parsed.bits  # a thread's 16-byte load of codes lies in one group
+        if k_size % chunk or parsed.group % chunk:
+            raise IntLinearError(f"the FMA launch reads {chunk} codes at a time, from one group: "
+                                 f"{k_size} input features, groups of {parsed.group}")  # fmt: skip
+        block_k = max(chunk, min(launch.block_k, k_size & -k_size))  # whole tiles, no K masks
+        block_m = min(launch.block_m, triton.next_power_of_2(rows))
+    else:
+        block_k = min(launch.block_k, parsed.group)  # a tile lies in one group
+        if parsed.bits == 4 and block_k < 32:
+            raise IntLinearError(
+                f"{scheme}: 4-bit groups of {parsed.group} are too short for the tensor-core dot "
+                "(16 columns a nibble half); groups of >= 32"
+            )
+        block_m = max(16, launch.block_m)
     n_tiles, m_tiles = triton.cdiv(n_size, launch.block_n), triton.cdiv(rows, block_m)
     total_k_tiles = k_size // block_k
     split_k = 1
@@ -378,41 +474,54 @@ def run_int_linear(
         if n_tiles * m_tiles > MAX_TILES:
             raise IntLinearError(f"{n_tiles * m_tiles} tiles exceed the {MAX_TILES} counters")
         workspace = torch.empty(split_k, rows, n_size, dtype=torch.float32, device=x.device)
-    zero = 0 if parsed.has_zero or parsed.weight == "int8" else 8
-    bits_dequant = launch.dequant == "bits" and launch.mode == "dot" and parsed.bits == 4
-    if bits_dequant and x.dtype not in (torch.bfloat16, torch.float16):
-        raise IntLinearError(f"dequant 'bits' needs bf16 / fp16 activations, not {x.dtype}")
-    fma = launch.mode == "fma"
-    if fma and k_size % 8:
-        raise IntLinearError(f"the FMA launch reads int32 words: {k_size} input features, "
-                             "want a multiple of 8")  # fmt: skip
-    _int_linear_kernel[(n_tiles, split_k, m_tiles)](
-        flat,
-        weight.view(torch.int32) if fma else weight,
-        weight_scale,
-        out,
-        workspace,
-        counters,
-        rows,
-        n_size,
-        k_size,
-        k_tiles,
-        split_k,
-        flat.stride(0),
-        out.stride(0),
-        BITS=parsed.bits,
-        ZP=parsed.has_zero,
-        ZERO=zero,
-        GROUP=parsed.group,
-        BLOCK_M=block_m,
-        BLOCK_N=launch.block_n,
-        BLOCK_K=block_k,
-        FMA=fma,
-        BITS_DEQUANT=bits_dequant,
-        SWAP=launch.swap and not fma,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-    )
+    grid = (n_tiles, split_k, m_tiles)
+    common = (rows, n_size, k_size, k_tiles, split_k, flat.stride(0), out.stride(0))
+    launch_options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if fma:
+        signed8 = parsed.weight == "int8"
+        _int_fma_kernel[grid](
+            flat,
+            weight.view(torch.int32),
+            weight_scale,
+            out,
+            workspace,
+            counters,
+            *common,
+            0x4B000000,
+            (1 << parsed.bits) - 1,
+            -0x7F7F7F80 if signed8 else 0,  # 0x80808080 as an int32
+            BITS=parsed.bits,
+            ZP=parsed.has_zero,
+            ZERO=128 if signed8 else (0 if parsed.has_zero else 8),
+            GROUP=parsed.group,
+            BLOCK_M=block_m,
+            BLOCK_N=launch.block_n,
+            BLOCK_K=block_k,
+            **launch_options,
+        )
+    else:
+        bits_dequant = launch.dequant == "bits" and parsed.bits == 4
+        if bits_dequant and x.dtype not in (torch.bfloat16, torch.float16):
+            raise IntLinearError(f"dequant 'bits' needs bf16 / fp16 activations, not {x.dtype}")
+        _int_linear_kernel[grid](
+            flat,
+            weight,
+            weight_scale,
+            out,
+            workspace,
+            counters,
+            *common,
+            BITS=parsed.bits,
+            ZP=parsed.has_zero,
+            ZERO=0 if parsed.has_zero or parsed.weight == "int8" else 8,
+            GROUP=parsed.group,
+            BLOCK_M=block_m,
+            BLOCK_N=launch.block_n,
+            BLOCK_K=block_k,
+            BITS_DEQUANT=bits_dequant,
+            SWAP=launch.swap,
+            **launch_options,
+        )
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n_size)

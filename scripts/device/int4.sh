@@ -7,8 +7,9 @@
 #   device call: carry [".whl"], command `bash scripts/device/int4.sh <commit>`
 # JSON lands in $OUT/r (latency-int4-*, latency-int8-*); logs in $OUT/logs.tgz. Bounded to about
 # 7 minutes: every step has a timeout, the models are written in the background meanwhile.
-# SWEEP=1 retunes the int4 table before the latency (the new table comes back in $OUT/r);
-# PASS_TESTS=0 and INT8=0 leave out the pass's engine tests and the int8 model.
+# SWEEP=1 retunes the int4 table before the latency (the new table comes back in $OUT/r; SWEEP_ROWS
+# the row counts, default "1 16 64");
+# BASELINE=1 times batch 1 on the shipped table first; PASS_TESTS=0 and INT8=0 leave out the pass's engine tests and the int8 model.
 source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
 mkdir -p $OUT/r
@@ -30,8 +31,15 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then  # SKIP_TESTS=1: the benchmarks alone
     at "pass tests"
   fi
 fi
+L3="--target h100 --dtype bfloat16 --results-dir $OUT/r"
+if [ "${BASELINE:-0}" = 1 ]; then  # BASELINE=1: batch 1 on the shipped table before the sweep
+  wait $MAKER
+  timeout 120 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq4 $L3 \
+    --batch-sizes 1 --name latency-int4-before 2>&1 | tee $OUT/latency-before.log | grep -v Warn | tail -4
+  at "latency int4 before"
+fi
 if [ "${SWEEP:-0}" = 1 ]; then  # SWEEP=1: retune the int4 table first (bench int-gemm), kept in $OUT
-  timeout 220 python3 -m compile_engine.benchmarks int-gemm --weights int4 --rows 1 16 64 \
+  timeout 220 python3 -m compile_engine.benchmarks int-gemm --weights int4 --rows ${SWEEP_ROWS:-1 16 64} \
     --budget-s ${SWEEP_BUDGET_S:-150} --write-configs kernels_generated/configs/int_gemm.json \
     --results-dir $OUT/r 2>&1 | tee $OUT/int-gemm.log | grep -v Warn | tail -14
   cp kernels_generated/configs/int_gemm.json $OUT/r/
@@ -40,7 +48,6 @@ fi
 wait $MAKER
 cat $OUT/make-model.log
 at "make-model"
-L3="--target h100 --dtype bfloat16 --results-dir $OUT/r"
 timeout 150 python3 -m compile_engine.benchmarks latency --model /tmp/l3gptq4 $L3 \
   --batch-sizes 1,64 --name latency-int4 2>&1 | tee $OUT/latency-int4.log | grep -v Warn | tail -6
 at "latency int4"

@@ -242,7 +242,8 @@ def test_int_gemm_candidates_are_valid_launches_every_dequant_and_operand_form()
     for rows in (1, 16, 64):
         configs = int_gemm.candidates(rows)
         launches = [IntLaunch(**c) for c in configs]
-        assert all(c["block_k"] <= int_gemm.GROUP for c in configs)  # a tile in one group
+        # a dot tile lies in one group; an fma tile spans groups, its 16-byte chunks do not
+        assert all(c["block_k"] <= int_gemm.GROUP for c in configs if c["mode"] == "dot")
         dots = [launch for launch in launches if launch.mode == "dot"]
         assert {(d.dequant, d.swap) for d in dots} == {
             (d, w) for d in ("convert", "bits") for w in (False, True)
@@ -250,3 +251,27 @@ def test_int_gemm_candidates_are_valid_launches_every_dequant_and_operand_form()
         assert len({int_gemm.name_of(c) for c in configs}) == len(configs)
     assert any(c["mode"] == "fma" for c in int_gemm.candidates(1))
     assert not any(c["mode"] == "fma" for c in int_gemm.candidates(16))
+
+
+def test_int_gemm_write_configs_replaces_the_swept_keys_and_keeps_the_rest(tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+
+    from compile_engine.benchmarks import int_gemm
+    from compile_engine.kernels_generated import configs
+
+    monkeypatch.setattr(configs, "tuning_provenance", lambda dtype: {"dtype": dtype})  # no GPU
+    path = tmp_path / "int_gemm.json"
+    shutil.copy(Path(configs.__file__).parent / "configs" / "int_gemm.json", path)
+    before = configs.ConfigTable.load(str(path)).targets["h100"].entries
+    fma = dict(mode="fma", block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=3,
+               programs_per_sm=2)  # fmt: skip
+    cell = {"weights": "int4", "N": 4096, "K": 4096, "M": 1, "best": "f",
+            "variants": {"f": {"us": 5.0, "config": fma}, "bf16_cublas": {"us": 13.0}}}  # fmt: skip
+    int_gemm.write_configs([cell], "int4", str(path))
+    after = configs.ConfigTable.load(str(path)).targets["h100"].entries
+    keyed = {(e.key["N"], e.key["K"], e.key["M"]): e for e in after}
+    assert len(after) == len(before) and keyed[(4096, 4096, 1)].config == fma
+    for e in before:
+        if (e.key["N"], e.key["K"], e.key["M"]) != (4096, 4096, 1):
+            assert keyed[(e.key["N"], e.key["K"], e.key["M"])].config == e.config

@@ -75,30 +75,52 @@ def test_single_token_kernel_compiles_for_sm90(num_splits: int, write_only: bool
 
 
 @pytest.mark.parametrize(
-    "bits,zp,fma,dequant,swap,x",
+    "bits,zp,dequant,swap,x",
     [
-        (4, False, True, False, False, "bf16"),
-        (4, False, False, False, False, "bf16"),
-        (4, True, True, False, False, "bf16"),
-        (8, False, True, False, False, "bf16"),
-        (8, False, False, False, True, "bf16"),
-        (4, False, False, True, False, "bf16"),
-        (4, False, False, True, True, "bf16"),
-        (4, True, False, True, True, "bf16"),
-        (4, False, False, True, False, "fp16"),
+        (4, False, False, False, "bf16"),
+        (8, False, False, True, "bf16"),
+        (4, False, True, False, "bf16"),
+        (4, False, True, True, "bf16"),
+        (4, True, True, True, "bf16"),
+        (4, False, True, False, "fp16"),
     ],
 )
-def test_int_linear_kernel_compiles_for_sm90(bits, zp, fma, dequant, swap, x):
-    """The integer weight-only GEMM in its FMA (skinny) and tensor-core forms, with the split-K
-    branch (split_k is a runtime argument: both branches compile)."""
+def test_int_linear_kernel_compiles_for_sm90(bits, zp, dequant, swap, x):
+    """The integer weight-only GEMM's tensor-core forms, with the split-K branch (split_k is a
+    runtime argument: both branches compile)."""
     from compile_engine.kernels_generated.int_linear import _int_linear_kernel as kernel
 
-    pointers = dict(x_ptr=f"*{x}", w_ptr="*i32" if fma else "*u8", s_ptr="*fp32",
-                    out_ptr=f"*{x}", ws_ptr="*fp32", counter_ptr="*i32")  # fmt: skip
-    constants = dict(BITS=bits, ZP=zp, ZERO=0 if zp or bits == 8 else 8, GROUP=128,
-                     BLOCK_M=1 if fma else 16, BLOCK_N=64, BLOCK_K=128, FMA=fma,
-                     BITS_DEQUANT=dequant, SWAP=swap)  # fmt: skip
+    pointers = dict(x_ptr=f"*{x}", w_ptr="*u8", s_ptr="*fp32", out_ptr=f"*{x}", ws_ptr="*fp32",
+                    counter_ptr="*i32")  # fmt: skip
+    constants = dict(BITS=bits, ZP=zp, ZERO=0 if zp or bits == 8 else 8, GROUP=128, BLOCK_M=16,
+                     BLOCK_N=64, BLOCK_K=128, BITS_DEQUANT=dequant, SWAP=swap)  # fmt: skip
     _compile_sm90(kernel, pointers, constants, num_warps=4)
+
+
+@pytest.mark.parametrize("bits,zp,block_m", [(4, False, 1), (4, True, 1), (8, False, 1),
+                                             (4, False, 4)])  # fmt: skip
+def test_int_fma_kernel_compiles_for_sm90(bits, zp, block_m):
+    """The few-row form, one row (3-D tiles) and several (a 4th dimension), tiles of several
+    groups. In the one-row loop no [BN, chunks, 4] tile changes layout (a shared-memory round
+    trip of every dequantized code; the small scale and activation tiles may)."""
+    from compile_engine.kernels_generated.int_linear import _int_fma_kernel as kernel
+
+    pointers = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32",
+                    counter_ptr="*i32")  # fmt: skip
+    constants = dict(BITS=bits, ZP=zp, ZERO=8, GROUP=128, BLOCK_M=block_m, BLOCK_N=16,
+                     BLOCK_K=512)  # fmt: skip
+    compiled = _compile_sm90(kernel, pointers, constants, num_warps=4, num_stages=3)
+    if block_m == 1:
+        tile = f"tensor<16x{512 * bits // 128}x4x"
+        converts = [ln for ln in _loop_of(compiled.asm["ttgir"]).splitlines()
+                    if "convert_layout" in ln]  # fmt: skip
+        assert not [ln for ln in converts if f": {tile}" in ln], converts
+
+
+def _loop_of(ttgir: str) -> str:
+    """The body of the kernel's K loop (its first scf.for) in Triton's GPU IR."""
+    start = ttgir.index("scf.for")
+    return ttgir[start : ttgir.index("scf.yield", start)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
