@@ -41,9 +41,9 @@ def candidates(rows: int) -> list[dict]:
     the budget has timed some of each."""
     out = []
     if rows <= 4:  # the few-row form: tiles of several groups, chunks of 16 bytes a thread
-        for bn in (16, 32):
+        for bn in (8, 16, 32):
             for bk in (256, 512, 1024):
-                for warps, stages in ((4, 3), (2, 3), (8, 3)):
+                for warps, stages in ((4, 3), (8, 3)):
                     for pps in (2, 8):
                         out.append(dict(mode="fma", block_m=max(1, 1 << (rows - 1).bit_length()),
                                         block_n=bn, block_k=bk, num_warps=warps,

@@ -323,12 +323,16 @@ def _int_fma_kernel(
     else:
         acc = tl.zeros([BLOCK_N, NCH, CW, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_tiles * BLOCK_K
+    word_ptrs = w_rows + (k_begin // PER_WORD + word_idx)[None, :, :]  # [BN, NCH, CW]
+    # word j holds columns PER_WORD * j + i; the next tile's words are loaded before this
+    # tile's are used (the pipeliner stages only loads that feed a dot), so a thread always
+    # has a tile in flight while it computes.
+    ahead = tl.load(word_ptrs, mask=mask_n[:, None, None], other=0)
     for t in range(0, k_tiles):
         k0 = k_begin + t * BLOCK_K
-        words = tl.load(
-            w_rows + (k0 // PER_WORD + word_idx)[None, :, :], mask=mask_n[:, None, None], other=0
-        ).to(tl.uint32, bitcast=True)  # [BN, NCH, CW]: word j holds columns PER_WORD * j + i
-        words = words ^ flip_bits
+        words = ahead.to(tl.uint32, bitcast=True) ^ flip_bits
+        word_ptrs += BLOCK_K // PER_WORD
+        ahead = tl.load(word_ptrs, mask=mask_n[:, None, None] & (t + 1 < k_tiles), other=0)
         g_offs = offs_n.to(tl.int64)[:, None] * groups + ((k0 + chunk_first) // GROUP)[None, :]
         if ZP:  # the chunk's group's (s, z): [BN, NCH]
             scale = tl.load(s_ptr + g_offs * 2, mask=mask_n[:, None], other=0.0)
