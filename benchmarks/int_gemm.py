@@ -36,18 +36,18 @@ SCHEMES = {"int4": f"int4:group{GROUP}:none", "int8": f"int8:group{GROUP}:none"}
 
 
 def candidates(rows: int) -> list[dict]:
-    """Launch configs worth timing at `rows` rows (a dot tile lies in one group, block_k at most
-    the group; an fma tile may span groups), the modes interleaved so that a cell cut short by
-    the budget has timed some of each."""
+    """Launch configs worth timing at `rows` rows (a tile lies in one group: block_k at most
+    the group), the modes interleaved so that a cell cut short by the budget has timed some of
+    each."""
     out = []
-    if rows <= 4:  # the few-row form: tiles of several groups, chunks of 16 bytes a thread
-        for bn in (8, 16, 32):
-            for bk in (256, 512, 1024):
-                for warps, stages in ((4, 3), (8, 3)):
+    if rows <= 4:  # the few-row form: a program a row, lanes over weight rows
+        for bn in (64, 128, 256, 512):
+            for bk in (32, 64, 128):
+                for warps in (4, 8):
                     for pps in (2, 8):
-                        out.append(dict(mode="fma", block_m=max(1, 1 << (rows - 1).bit_length()),
-                                        block_n=bn, block_k=bk, num_warps=warps,
-                                        num_stages=stages, programs_per_sm=pps))  # fmt: skip
+                        out.append(dict(mode="fma", block_m=1, block_n=bn, block_k=bk,
+                                        num_warps=warps, num_stages=1,
+                                        programs_per_sm=pps))  # fmt: skip
     if rows <= 16:
         for bn in (32, 64, 128):
             for warps, stages in ((4, 4), (8, 4)):

@@ -16,14 +16,14 @@ One Triton kernel, dequantizing in registers, for every row count:
   group's scale. So the dequantization is exact and the product differs from the reference
   (`quant_linear_ref`: dequantize in float32, matmul) by the order of accumulation only: the
   scale multiplies a tile's sum rather than each term.
-- FMA (a few rows, `_int_fma_kernel`): no tensor cores (a 16-row tile would be mostly
-  padding). A tile of BLOCK_N rows x BLOCK_K columns may span groups; each thread reads its
-  codes as int32 words, four at a time (16 bytes, in one group), and for each code position
-  shifts the codes out and ORs them into float32's mantissa under 2^23 (one LOP3: no
-  integer-to-float conversion, which Hopper issues at an eighth of the FMA rate), multiplying
-  them with the activations of their columns into its own accumulators; a chunk's sum takes
-  its group's scale once a tile, and the only reduction across threads is after the K loop
-  (the first form reduced across threads every tile and lost to the padded dot everywhere).
+- FMA (a few rows, `_int_fma_kernel`, a program per row): no tensor cores (a 16-row tile
+  would be mostly padding). Lanes run over weight rows: a thread holds a row's int32 words
+  (16-byte loads) and the activations of their columns, one contiguous load a tile that every
+  lane shares, shifts each code position out and ORs it into float32's mantissa under 2^23
+  (one LOP3, no integer-to-float conversion, which Hopper issues at an eighth of the FMA
+  rate) and accumulates the products itself; the only reduction across threads is after the
+  K loop. (The first form reduced across threads every tile; a second, lanes along K, loaded
+  each code position's activations strided over many cache lines: both lost to the dot.)
   Otherwise `tl.dot` on tensor cores:
   at most 16 rows the "skinny" config, above 16 the "tiles" config (64 x 128 tiles): a
   tensor-core GEMM that dequantizes each weight tile in registers on its way to the MMA.
@@ -111,6 +111,8 @@ class IntLaunch:
             raise IntLinearError(f"mode {self.mode!r}: 'fma' or 'dot'")
         if self.dequant not in ("convert", "bits"):
             raise IntLinearError(f"dequant {self.dequant!r}: 'convert' or 'bits'")
+        if self.mode == "fma" and self.block_m != 1:
+            raise IntLinearError(f"block_m={self.block_m}: the fma form runs one row a program")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
@@ -263,6 +265,33 @@ def _int_linear_kernel(
     _finish(acc, offs_m, offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om, split_k)
 
 
+@triton.jit
+def _columns(x, PER_WORD: tl.constexpr):
+    """x [CW, PER_WORD] (4 or 8) -> its PER_WORD columns, each [CW], by halving splits (in
+    registers when a thread holds its words' columns)."""
+    cw: tl.constexpr = x.shape[0]
+    even, odd = tl.split(tl.reshape(x, [cw, PER_WORD // 2, 2]))  # columns 0, 2, ... / 1, 3, ...
+    if PER_WORD == 4:
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        c4, c5, c6, c7 = c0, c0, c0, c0  # unused
+    else:
+        e0, e1 = tl.split(tl.reshape(even, [cw, 2, 2]))  # columns 0, 4 / 2, 6
+        o0, o1 = tl.split(tl.reshape(odd, [cw, 2, 2]))  # columns 1, 5 / 3, 7
+        c0, c4 = tl.split(e0)
+        c2, c6 = tl.split(e1)
+        c1, c5 = tl.split(o0)
+        c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _code_term(words, x_i, i: tl.constexpr, magic_bits, mask_bits, bias, BITS: tl.constexpr):
+    """The i-th codes of [BN, CW] words as exact floats (c - zero), times their columns' x."""
+    codes = (words >> (i * BITS)) & mask_bits
+    return ((codes | magic_bits).to(tl.float32, bitcast=True) - bias) * x_i[None, :]
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "k_tiles"])
 def _int_fma_kernel(
     x_ptr,  # [M, K], unit stride along K
@@ -278,6 +307,7 @@ def _int_fma_kernel(
     split_k,
     stride_xm,
     stride_om,
+    stride_wn,  # int32 words a weight row (K * BITS / 32: an argument, so its alignment is known)
     magic,  # 0x4B000000 (2^23 in float32) and the code mask, runtime values so that the
     code_mask,  # compiler ORs and masks in one LOP3 (with constants it emits a bit-field extract)
     flip,  # XOR-ed into each word: 0x80808080 turns int8 codes into q + 128, else 0
@@ -285,82 +315,66 @@ def _int_fma_kernel(
     ZP: tl.constexpr,  # a zero point per group beside the scale
     ZERO: tl.constexpr,  # the fixed zero point without ZP (8 for int4, 128 for flipped int8)
     GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # a multiple of CHUNK; may span several groups
+    BLOCK_K: tl.constexpr,  # codes a row a tile, in one group: 4-32 words
 ):
-    """The few-row form: no tensor cores, no reduction across threads inside the K loop.
-
-    A tile is [BLOCK_N weight rows, BLOCK_K columns] read as int32 words in chunks of four (16
-    bytes, one vector load); a chunk's codes lie in one group. For each code position i of a
-    word, the codes are shifted out, OR-ed into float32's mantissa under 2^23 (2^23 + c, no
-    conversion instruction) and multiplied with the activations of their columns, so each
-    thread accumulates its own words' products elementwise; a chunk's sum is scaled by its
-    group's scale once a tile, and the one reduction across threads is after the loop."""
+    """The one-row form (a program per activation row): no tensor cores, and lanes over weight
+    rows. A tile is [BLOCK_N rows, CW words]; a thread holds a row's words (16-byte loads) and
+    the activations of their columns, which are the same for every row: one contiguous load a
+    tile, shared by all lanes (with lanes along K, each code position's activations were a
+    strided load of many cache lines, which cost more than the codes' arithmetic). For each
+    code position i the codes are shifted out and OR-ed into float32's mantissa under 2^23 (one
+    LOP3, no integer-to-float conversion, which Hopper issues at an eighth of the FMA rate),
+    less 2^23 + zero (exact), times their columns' activations, into the thread's own
+    accumulators; a tile's sum takes its group's scale, and the one reduction across threads is
+    after the K loop. The next tile's words are loaded before this tile's are used (the
+    pipeliner stages only loads that feed a dot)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    row = tl.program_id(2)
     PER_WORD: tl.constexpr = 32 // BITS
-    CW: tl.constexpr = 4  # words a chunk: one 16-byte load
-    CHUNK: tl.constexpr = CW * PER_WORD  # codes a chunk
-    NCH: tl.constexpr = BLOCK_K // CHUNK
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    CW: tl.constexpr = BLOCK_K // PER_WORD
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
     mask_n = offs_n < N
     groups = K // GROUP
-    word_idx = tl.arange(0, NCH)[:, None] * CW + tl.arange(0, CW)[None, :]  # [NCH, CW]
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * (K // PER_WORD)  # [BN, 1, 1]
-    x_rows = x_ptr + offs_m.to(tl.int64)[None, None, :] * stride_xm  # [1, 1, BM]
-    chunk_first = tl.arange(0, NCH) * CHUNK
+    k_begin = pid_k * k_tiles * BLOCK_K
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + tl.arange(0, CW)[None, :]
+    w_ptrs += k_begin // PER_WORD  # [BN, CW]: word j holds columns PER_WORD * j + i
+    x_ptrs = x_ptr + row.to(tl.int64) * stride_xm + k_begin + tl.arange(0, BLOCK_K)
+    s_rows = offs_n.to(tl.int64) * groups
     magic_bits = magic.to(tl.uint32, bitcast=True)
     mask_bits = code_mask.to(tl.uint32, bitcast=True)
     flip_bits = flip.to(tl.uint32, bitcast=True)
-    # One row: [BN, NCH, CW] tiles in the words' own layout (with a 4th dimension for the rows,
-    # Triton moved every dequantized tile through shared memory to match a default layout).
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, NCH, CW], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, NCH, CW, BLOCK_M], dtype=tl.float32)
-    k_begin = pid_k * k_tiles * BLOCK_K
-    word_ptrs = w_rows + (k_begin // PER_WORD + word_idx)[None, :, :]  # [BN, NCH, CW]
-    # word j holds columns PER_WORD * j + i; the next tile's words are loaded before this
-    # tile's are used (the pipeliner stages only loads that feed a dot), so a thread always
-    # has a tile in flight while it computes.
-    ahead = tl.load(word_ptrs, mask=mask_n[:, None, None], other=0)
+    acc = tl.zeros([BLOCK_N, CW], dtype=tl.float32)
+    ahead = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
     for t in range(0, k_tiles):
-        k0 = k_begin + t * BLOCK_K
         words = ahead.to(tl.uint32, bitcast=True) ^ flip_bits
-        word_ptrs += BLOCK_K // PER_WORD
-        ahead = tl.load(word_ptrs, mask=mask_n[:, None, None] & (t + 1 < k_tiles), other=0)
-        g_offs = offs_n.to(tl.int64)[:, None] * groups + ((k0 + chunk_first) // GROUP)[None, :]
-        if ZP:  # the chunk's group's (s, z): [BN, NCH]
-            scale = tl.load(s_ptr + g_offs * 2, mask=mask_n[:, None], other=0.0)
-            bias = tl.load(s_ptr + g_offs * 2 + 1, mask=mask_n[:, None], other=0.0) + 8388608.0
-            bias = bias[:, :, None]
+        w_ptrs += CW
+        ahead = tl.load(w_ptrs, mask=mask_n[:, None] & (t + 1 < k_tiles), other=0)
+        group = (k_begin + t * BLOCK_K) // GROUP
+        if ZP:
+            scale = tl.load(s_ptr + (s_rows + group) * 2, mask=mask_n, other=0.0)
+            zero = tl.load(s_ptr + (s_rows + group) * 2 + 1, mask=mask_n, other=0.0)
+            bias = (zero + 8388608.0)[:, None]
         else:
-            scale = tl.load(s_ptr + g_offs, mask=mask_n[:, None], other=0.0)
+            scale = tl.load(s_ptr + s_rows + group, mask=mask_n, other=0.0)
             bias = 8388608.0 + ZERO
-        part = tl.zeros_like(acc)
-        for i in tl.static_range(PER_WORD):
-            codes = (words >> (i * BITS)) & mask_bits
-            w = (codes | magic_bits).to(tl.float32, bitcast=True) - bias  # exact: c - zero
-            cols = k0 + i + word_idx * PER_WORD  # [NCH, CW]: the columns of the i-th codes
-            if BLOCK_M == 1:
-                xi = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + cols).to(tl.float32)
-                part += w * xi[None, :, :]
-            else:
-                xi = tl.load(x_rows + cols[:, :, None], mask=mask_m[None, None, :], other=0.0)
-                part += w[:, :, :, None] * xi.to(tl.float32)[None, :, :, :]
-        if BLOCK_M == 1:
-            acc += part * scale[:, :, None]
-        else:
-            acc += part * scale[:, :, None, None]
-    if BLOCK_M == 1:
-        out = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
-    else:
-        out = tl.trans(tl.sum(tl.sum(acc, axis=2), axis=1))  # [BM, BN]
-    _finish(out, offs_m, offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om, split_k)
+        xt = tl.reshape(tl.load(x_ptrs).to(tl.float32), [CW, PER_WORD])
+        x_ptrs += BLOCK_K
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(xt, PER_WORD)
+        part = _code_term(words, x0, 0, magic_bits, mask_bits, bias, BITS)
+        part += _code_term(words, x1, 1, magic_bits, mask_bits, bias, BITS)
+        part += _code_term(words, x2, 2, magic_bits, mask_bits, bias, BITS)
+        part += _code_term(words, x3, 3, magic_bits, mask_bits, bias, BITS)
+        if PER_WORD == 8:
+            part += _code_term(words, x4, 4, magic_bits, mask_bits, bias, BITS)
+            part += _code_term(words, x5, 5, magic_bits, mask_bits, bias, BITS)
+            part += _code_term(words, x6, 6, magic_bits, mask_bits, bias, BITS)
+            part += _code_term(words, x7, 7, magic_bits, mask_bits, bias, BITS)
+        acc += part * scale[:, None]
+    out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+    _finish(out, row + tl.arange(0, 1), offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om,
+            split_k)  # fmt: skip
 
 
 INTERPRETED = not isinstance(_int_linear_kernel, JITFunction)
@@ -448,13 +462,15 @@ def run_int_linear(
     if launch is None:
         launch = launch_config(kernel_config.key, n_size, k_size, bucket_tokens(rows))
     fma = launch.mode == "fma"
-    if fma:
-        chunk = 128 // parsed.bits  # a thread's 16-byte load of codes lies in one group
-        if k_size % chunk or parsed.group % chunk:
-            raise IntLinearError(f"the FMA launch reads {chunk} codes at a time, from one group: "
-                                 f"{k_size} input features, groups of {parsed.group}")  # fmt: skip
-        block_k = max(chunk, min(launch.block_k, k_size & -k_size))  # whole tiles, no K masks
-        block_m = min(launch.block_m, triton.next_power_of_2(rows))
+    if fma:  # a tile of 4-32 int32 words a row, in one group
+        per_word = 32 // parsed.bits
+        block_k = min(launch.block_k, parsed.group, 32 * per_word)
+        if block_k < 4 * per_word or k_size % block_k:
+            raise IntLinearError(
+                f"the FMA launch reads >= {4 * per_word} codes of a group at a time: {k_size} "
+                f"input features, groups of {parsed.group}"
+            )
+        block_m = 1
     else:
         block_k = min(launch.block_k, parsed.group)  # a tile lies in one group
         if parsed.bits == 4 and block_k < 32:
@@ -491,6 +507,7 @@ def run_int_linear(
             workspace,
             counters,
             *common,
+            weight.shape[1] // 4,
             0x4B000000,
             (1 << parsed.bits) - 1,
             -0x7F7F7F80 if signed8 else 0,  # 0x80808080 as an int32
@@ -498,7 +515,6 @@ def run_int_linear(
             ZP=parsed.has_zero,
             ZERO=128 if signed8 else (0 if parsed.has_zero else 8),
             GROUP=parsed.group,
-            BLOCK_M=block_m,
             BLOCK_N=launch.block_n,
             BLOCK_K=block_k,
             **launch_options,

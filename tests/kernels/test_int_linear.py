@@ -41,20 +41,20 @@ def make_weight(weight: str, group: int, n: int, kk: int, device: str = "cpu", s
 
 
 def launch(mode: str, block_m: int, split: int = 0, dequant: str = "convert",
-           swap: bool = False, block_k: int = 32) -> k.IntLaunch:  # fmt: skip
-    return k.IntLaunch(mode, block_m, 16, block_k, num_warps=1, num_stages=1,
+           swap: bool = False, block_k: int = 32, block_n: int = 16) -> k.IntLaunch:  # fmt: skip
+    return k.IntLaunch(mode, block_m, block_n, block_k, num_warps=1, num_stages=1,
                        programs_per_sm=split, dequant=dequant, swap=swap)  # fmt: skip
 
 
 CASES = [  # (weight, group, rows, launch)
     ("int4", 32, 1, launch("fma", 1)),
-    ("int8", 32, 3, launch("fma", 4)),
-    ("uint4_zp", 64, 2, launch("fma", 2, split=4)),
+    ("int8", 32, 3, launch("fma", 1)),
+    ("uint4_zp", 64, 2, launch("fma", 1, split=4)),
     ("uint8_zp", 32, 1, launch("fma", 1)),
-    # fma tiles of several groups (each 16-byte chunk scaled by its own group's scale)
-    ("int4", 32, 3, launch("fma", 4, block_k=128)),
-    ("int8", 32, 2, launch("fma", 2, split=2, block_k=64)),
-    ("uint4_zp", 32, 1, launch("fma", 1, block_k=128)),
+    # fma tiles of 8 and 16 words (a tile in one group)
+    ("int4", 128, 3, launch("fma", 1, block_k=128)),
+    ("int8", 64, 2, launch("fma", 1, split=2, block_k=64)),
+    ("uint4_zp", 64, 1, launch("fma", 1, block_k=64, block_n=32)),  # 48 rows: a masked tail
     ("int8", 32, 4, launch("dot", 16, swap=True)),
     ("uint4_zp", 64, 18, launch("dot", 16, split=2, swap=True)),
     ("uint8_zp", 32, 5, launch("dot", 16)),

@@ -7,18 +7,23 @@ import pytest
 import triton
 
 
-def _compile_sm90(kernel, pointers: dict, constants: dict, **options):
+def _compile_sm90(kernel, pointers: dict, constants: dict, aligned=(), **options):
     """`kernel` compiled for sm_90 by Triton's own ptxas: pointer and constexpr arguments as
-    given, every other argument a 32-bit integer."""
+    given, every other argument a 32-bit integer; `aligned` integers (and the pointers, then)
+    divisible by 16, as Triton specializes them at a launch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    attrs = {}
+    if aligned:
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*pointers, *aligned]}
     source = ASTSource(
         fn=kernel,
         signature=signature,
         constexprs={(names.index(n),): v for n, v in constants.items()},
+        attrs=attrs,
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert "cubin" in compiled.asm
@@ -97,24 +102,36 @@ def test_int_linear_kernel_compiles_for_sm90(bits, zp, dequant, swap, x):
     _compile_sm90(kernel, pointers, constants, num_warps=4)
 
 
-@pytest.mark.parametrize("bits,zp,block_m", [(4, False, 1), (4, True, 1), (8, False, 1),
-                                             (4, False, 4)])  # fmt: skip
-def test_int_fma_kernel_compiles_for_sm90(bits, zp, block_m):
-    """The few-row form, one row (3-D tiles) and several (a 4th dimension), tiles of several
-    groups. In the one-row loop no [BN, chunks, 4] tile changes layout (a shared-memory round
-    trip of every dequantized code; the small scale and activation tiles may)."""
+@pytest.mark.parametrize("bits,zp", [(4, False), (4, True), (8, False)])
+def test_int_fma_kernel_compiles_for_sm90(bits, zp):
+    """The one-row form: 16-byte loads of the words (the row stride is an argument, so Triton
+    knows its alignment) and of the activations, and in the K loop no layout change of a
+    [BN, CW] tile (a shared-memory round trip of every code)."""
     from compile_engine.kernels_generated.int_linear import _int_fma_kernel as kernel
 
     pointers = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32",
                     counter_ptr="*i32")  # fmt: skip
-    constants = dict(BITS=bits, ZP=zp, ZERO=8, GROUP=128, BLOCK_M=block_m, BLOCK_N=16,
-                     BLOCK_K=512)  # fmt: skip
-    compiled = _compile_sm90(kernel, pointers, constants, num_warps=4, num_stages=3)
-    if block_m == 1:
-        tile = f"tensor<16x{512 * bits // 128}x4x"
-        converts = [ln for ln in _loop_of(compiled.asm["ttgir"]).splitlines()
-                    if "convert_layout" in ln]  # fmt: skip
-        assert not [ln for ln in converts if f": {tile}" in ln], converts
+    constants = dict(BITS=bits, ZP=zp, ZERO=8, GROUP=128, BLOCK_N=256, BLOCK_K=64)
+    compiled = _compile_sm90(kernel, pointers, constants, num_warps=4, num_stages=1,
+                             aligned=("K", "stride_xm", "stride_om", "stride_wn"))  # fmt: skip
+    loop = _loop_of(compiled.asm["ttgir"])
+    cw = 64 * bits // 32
+    converts = [ln for ln in loop.splitlines() if "convert_layout" in ln]
+    assert not [ln for ln in converts if f": tensor<256x{cw}x" in ln], converts
+    assert "LDG.E.128" in _sass(compiled)
+
+
+def _sass(compiled) -> str:
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
 
 
 def _loop_of(ttgir: str) -> str:
