@@ -35,14 +35,18 @@ DECODER = ("qkv", "o_proj", "gate_up", "down")
 SCHEMES = {"int4": f"int4:group{GROUP}:none", "int8": f"int8:group{GROUP}:none"}
 
 
-def candidates(rows: int) -> list[dict]:
-    """Launch configs worth timing at `rows` rows (a tile lies in one group: block_k at most
-    the group), the modes interleaved so that a cell cut short by the budget has timed some of
-    each."""
+def candidates(rows: int, modes: tuple[str, ...] = ("fma", "dot")) -> list[dict]:
+    """Launch configs worth timing at `rows` rows (a dot tile lies in one group, block_k at
+    most the group; an fma tile may hold whole groups), the modes interleaved so that a cell
+    cut short by the budget has timed some of each; `modes` keeps those of these modes."""
+    return [c for c in _candidates(rows) if c["mode"] in modes]
+
+
+def _candidates(rows: int) -> list[dict]:
     out = []
     if rows <= 4:  # the few-row form: a program a row, lanes over weight rows
-        for bn in (64, 128, 256, 512):
-            for bk in (32, 64, 128):
+        for bn in (32, 64, 128, 256):
+            for bk in (128, 256, 512):
                 for warps in (4, 8):
                     for pps in (2, 8):
                         out.append(dict(mode="fma", block_m=1, block_n=bn, block_k=bk,
@@ -98,7 +102,7 @@ def _weights(kind: str, n_size: int, k_size: int) -> list[tuple[torch.Tensor, to
     return out
 
 
-def run_cell(kind, name, rows, weights, bf16_weights, deadline) -> dict:
+def run_cell(kind, name, rows, weights, bf16_weights, deadline, modes) -> dict:
     from compile_engine.kernels_generated import tuning
     from compile_engine.kernels_generated.int_linear import IntLaunch, run_int_linear
     from compile_engine.models.quant import quant_linear_ref
@@ -124,13 +128,14 @@ def run_cell(kind, name, rows, weights, bf16_weights, deadline) -> dict:
         launch = IntLaunch(**config)
         return lambda w, s: run_int_linear(kernel_config, x, w, s, None, scheme, launch)
 
-    best = time_configs(cell, candidates(rows), call_of, weights, want, moved, deadline, name_of)
+    configs = candidates(rows, modes)
+    best = time_configs(cell, configs, call_of, weights, want, moved, deadline, name_of)
     if best is not None:
         cell["speedup_vs_bf16_cublas"] = round(v["bf16_cublas"]["us"] / best["us"], 3)
     return cell
 
 
-def sweep(kinds: list[str], rows: list[int], budget_s: float) -> list[dict]:
+def sweep(kinds: list[str], rows: list[int], budget_s: float, modes=("fma", "dot")) -> list[dict]:
     cells = [(kind, name, m) for kind in kinds for name in DECODER for m in rows]
     start = time.monotonic()
     out, current = [], None
@@ -146,7 +151,7 @@ def sweep(kinds: list[str], rows: list[int], budget_s: float) -> list[dict]:
         deadline = start + budget_s * (i + 1) / len(cells)
         t0 = time.monotonic()
         try:
-            cell = run_cell(kind, name, m, weights, bf16, deadline)
+            cell = run_cell(kind, name, m, weights, bf16, deadline, tuple(modes))
         except Exception as exc:  # keep the rest of the sweep
             out.append({"weights": kind, "shape": name, "M": m, "error": f"{exc}"[:500]})
             print(f"{kind} {name} M={m}: {type(exc).__name__}: {exc}", flush=True)
@@ -198,14 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--weights", nargs="+", choices=sorted(SCHEMES), default=["int4", "int8"])
     p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["fma", "dot"],
+        default=["fma", "dot"],
+        help="the kernel forms to time (a row count's others are left out)",
+    )
     p.add_argument("--write-configs", default=None, help="the int_gemm.json to rewrite")
     p.add_argument("--results-dir", default=str(DEFAULT_DIRECTORY))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench int-gemm needs a CUDA device")
-    cells = sweep(args.weights, args.rows, args.budget_s)
+    cells = sweep(args.weights, args.rows, args.budget_s, args.modes)
     if args.write_configs:
         write_configs(cells, args.weights[0], args.write_configs)
-    payload = {"benchmark": "int_gemm", "rows": args.rows, "budget_s": args.budget_s}
+    payload = {"benchmark": "int_gemm", "rows": args.rows, "budget_s": args.budget_s,
+               "modes": args.modes}  # fmt: skip
     write_result("int-gemm", {**payload, "cells": cells}, Path(args.results_dir))
     return 0

@@ -8,7 +8,7 @@
 # JSON lands in $OUT/r (latency-int4-*, latency-int8-*); logs in $OUT/logs.tgz. Bounded to about
 # 7 minutes: every step has a timeout, the models are written in the background meanwhile.
 # SWEEP=1 retunes the int4 table before the latency (the new table comes back in $OUT/r; SWEEP_ROWS
-# the row counts, default "1 16 64");
+# the row counts, default "1 16 64"; SWEEP_MODES the forms, default "fma dot");
 # BASELINE=1 times batch 1 on the shipped table first; PASS_TESTS=0 and INT8=0 leave out the pass's engine tests and the int8 model.
 source scripts/device/env.sh
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 COMPILE_ENGINE_CACHE_DIR=/tmp/cecache COMPILE_ENGINE_COMMIT=$1
@@ -40,7 +40,7 @@ if [ "${BASELINE:-0}" = 1 ]; then  # BASELINE=1: batch 1 on the shipped table be
 fi
 if [ "${SWEEP:-0}" = 1 ]; then  # SWEEP=1: retune the int4 table first (bench int-gemm), kept in $OUT
   timeout 220 python3 -m compile_engine.benchmarks int-gemm --weights int4 --rows ${SWEEP_ROWS:-1 16 64} \
-    --budget-s ${SWEEP_BUDGET_S:-150} --write-configs kernels_generated/configs/int_gemm.json \
+    --budget-s ${SWEEP_BUDGET_S:-150} --modes ${SWEEP_MODES:-fma dot} --write-configs kernels_generated/configs/int_gemm.json \
     --results-dir $OUT/r 2>&1 | tee $OUT/int-gemm.log | grep -v Warn | tail -14
   cp kernels_generated/configs/int_gemm.json $OUT/r/
   at "int-gemm sweep"

@@ -102,20 +102,21 @@ def test_int_linear_kernel_compiles_for_sm90(bits, zp, dequant, swap, x):
     _compile_sm90(kernel, pointers, constants, num_warps=4)
 
 
-@pytest.mark.parametrize("bits,zp", [(4, False), (4, True), (8, False)])
-def test_int_fma_kernel_compiles_for_sm90(bits, zp):
-    """The one-row form: 16-byte loads of the words (the row stride is an argument, so Triton
-    knows its alignment) and of the activations, and in the K loop no layout change of a
-    [BN, CW] tile (a shared-memory round trip of every code)."""
+@pytest.mark.parametrize("bits,zp,block_k", [(4, False, 64), (4, True, 64), (8, False, 64),
+                                             (4, False, 256)])  # fmt: skip
+def test_int_fma_kernel_compiles_for_sm90(bits, zp, block_k):
+    """The one-row form, tiles in one group and of two: 16-byte loads of the words (the row
+    stride is an argument, so Triton knows its alignment), and in the K loop no layout change
+    of a [BN, CW] tile (a shared-memory round trip of every code)."""
     from compile_engine.kernels_generated.int_linear import _int_fma_kernel as kernel
 
     pointers = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32",
                     counter_ptr="*i32")  # fmt: skip
-    constants = dict(BITS=bits, ZP=zp, ZERO=8, GROUP=128, BLOCK_N=256, BLOCK_K=64)
+    constants = dict(BITS=bits, ZP=zp, ZERO=8, GROUP=128, BLOCK_N=256, BLOCK_K=block_k)
     compiled = _compile_sm90(kernel, pointers, constants, num_warps=4, num_stages=1,
                              aligned=("K", "stride_xm", "stride_om", "stride_wn"))  # fmt: skip
     loop = _loop_of(compiled.asm["ttgir"])
-    cw = 64 * bits // 32
+    cw = block_k * bits // 32
     converts = [ln for ln in loop.splitlines() if "convert_layout" in ln]
     assert not [ln for ln in converts if f": tensor<256x{cw}x" in ln], converts
     assert "LDG.E.128" in _sass(compiled)
