@@ -36,9 +36,9 @@ SCHEMES = {"int4": f"int4:group{GROUP}:none", "int8": f"int8:group{GROUP}:none"}
 
 
 def candidates(rows: int, modes: tuple[str, ...] = ("fma", "dot")) -> list[dict]:
-    """Launch configs worth timing at `rows` rows (a dot tile lies in one group, block_k at
-    most the group; an fma tile may hold whole groups), the modes interleaved so that a cell
-    cut short by the budget has timed some of each; `modes` keeps those of these modes."""
+    """Launch configs worth timing at `rows` rows (a tile lies in one group: block_k at most
+    the group), the modes interleaved so that a cell cut short by the budget has timed some of
+    each; `modes` keeps those of these modes."""
     return [c for c in _candidates(rows) if c["mode"] in modes]
 
 
@@ -46,7 +46,7 @@ def _candidates(rows: int) -> list[dict]:
     out = []
     if rows <= 4:  # the few-row form: a program a row, lanes over weight rows
         for bn in (32, 64, 128, 256):
-            for bk in (128, 256, 512):
+            for bk in (32, 64, 128):
                 for warps in (4, 8):
                     for pps in (2, 8):
                         out.append(dict(mode="fma", block_m=1, block_n=bn, block_k=bk,

@@ -316,7 +316,7 @@ def _int_fma_kernel(
     ZERO: tl.constexpr,  # the fixed zero point without ZP (8 for int4, 128 for flipped int8)
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # codes a row a tile: 4-64 words, in one group or whole groups
+    BLOCK_K: tl.constexpr,  # codes a row a tile, in one group: 4-32 words
 ):
     """The one-row form (a program per activation row): no tensor cores, and lanes over weight
     rows. A tile is [BLOCK_N rows, CW words]; a thread holds a row's words (16-byte loads) and
@@ -342,7 +342,6 @@ def _int_fma_kernel(
     w_ptrs += k_begin // PER_WORD  # [BN, CW]: word j holds columns PER_WORD * j + i
     x_ptrs = x_ptr + row.to(tl.int64) * stride_xm + k_begin + tl.arange(0, BLOCK_K)
     s_rows = offs_n.to(tl.int64) * groups
-    word_group = (tl.arange(0, CW) * PER_WORD) // GROUP  # a word's group within its tile
     magic_bits = magic.to(tl.uint32, bitcast=True)
     mask_bits = code_mask.to(tl.uint32, bitcast=True)
     flip_bits = flip.to(tl.uint32, bitcast=True)
@@ -353,22 +352,13 @@ def _int_fma_kernel(
         w_ptrs += CW
         ahead = tl.load(w_ptrs, mask=mask_n[:, None] & (t + 1 < k_tiles), other=0)
         group = (k_begin + t * BLOCK_K) // GROUP
-        if BLOCK_K > GROUP:  # a tile of several groups: each word's own group's, [BN, CW]
-            s_offs = s_rows[:, None] + group + word_group[None, :]
-            s_mask = mask_n[:, None]
-        else:  # one group's, [BN] (a [BN, 1] load took a layout of its own, and the tiles
-            s_offs = s_rows + group  # changed theirs to meet it)
-            s_mask = mask_n
         if ZP:
-            scale = tl.load(s_ptr + s_offs * 2, mask=s_mask, other=0.0)
-            bias = tl.load(s_ptr + s_offs * 2 + 1, mask=s_mask, other=0.0) + 8388608.0
+            scale = tl.load(s_ptr + (s_rows + group) * 2, mask=mask_n, other=0.0)
+            zero = tl.load(s_ptr + (s_rows + group) * 2 + 1, mask=mask_n, other=0.0)
+            bias = (zero + 8388608.0)[:, None]
         else:
-            scale = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
+            scale = tl.load(s_ptr + s_rows + group, mask=mask_n, other=0.0)
             bias = 8388608.0 + ZERO
-        if BLOCK_K <= GROUP:
-            scale = scale[:, None]
-            if ZP:
-                bias = bias[:, None]
         xt = tl.reshape(tl.load(x_ptrs).to(tl.float32), [CW, PER_WORD])
         x_ptrs += BLOCK_K
         x0, x1, x2, x3, x4, x5, x6, x7 = _columns(xt, PER_WORD)
@@ -381,7 +371,7 @@ def _int_fma_kernel(
             part += _code_term(words, x5, 5, magic_bits, mask_bits, bias, BITS)
             part += _code_term(words, x6, 6, magic_bits, mask_bits, bias, BITS)
             part += _code_term(words, x7, 7, magic_bits, mask_bits, bias, BITS)
-        acc += part * scale
+        acc += part * scale[:, None]
     out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     _finish(out, row + tl.arange(0, 1), offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om,
             split_k)  # fmt: skip
@@ -472,13 +462,13 @@ def run_int_linear(
     if launch is None:
         launch = launch_config(kernel_config.key, n_size, k_size, bucket_tokens(rows))
     fma = launch.mode == "fma"
-    if fma:  # a tile of 4-64 int32 words a row: within one group, or whole groups
+    if fma:  # a tile of 4-32 int32 words a row, in one group
         per_word = 32 // parsed.bits
-        block_k = min(launch.block_k, 64 * per_word)  # powers of two, as groups are
+        block_k = min(launch.block_k, parsed.group, 32 * per_word)
         if block_k < 4 * per_word or k_size % block_k:
             raise IntLinearError(
-                f"the FMA launch reads >= {4 * per_word} codes of a group at a time, whole "
-                f"tiles: {k_size} input features, groups of {parsed.group}"
+                f"the FMA launch reads >= {4 * per_word} codes of a group at a time: {k_size} "
+                f"input features, groups of {parsed.group}"
             )
         block_m = 1
     else:

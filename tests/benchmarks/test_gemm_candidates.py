@@ -242,8 +242,7 @@ def test_int_gemm_candidates_are_valid_launches_every_dequant_and_operand_form()
     for rows in (1, 16, 64):
         configs = int_gemm.candidates(rows)
         launches = [IntLaunch(**c) for c in configs]
-        # a dot tile lies in one group; an fma tile may hold whole groups
-        assert all(c["block_k"] <= int_gemm.GROUP for c in configs if c["mode"] == "dot")
+        assert all(c["block_k"] <= int_gemm.GROUP for c in configs)  # a tile in one group
         dots = [launch for launch in launches if launch.mode == "dot"]
         assert {(d.dequant, d.swap) for d in dots} == {
             (d, w) for d in ("convert", "bits") for w in (False, True)

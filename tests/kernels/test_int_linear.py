@@ -51,10 +51,8 @@ CASES = [  # (weight, group, rows, launch)
     ("int8", 32, 3, launch("fma", 1)),
     ("uint4_zp", 64, 2, launch("fma", 1, split=4)),
     ("uint8_zp", 32, 1, launch("fma", 1)),
-    # fma tiles of 8 and 16 words in one group, and tiles of several groups
+    # fma tiles of 8 and 16 words (a tile in one group; a longer launch block_k is clamped)
     ("int4", 128, 3, launch("fma", 1, block_k=128)),
-    ("int4", 32, 1, launch("fma", 1, block_k=128)),
-    ("uint4_zp", 32, 2, launch("fma", 1, split=2, block_k=64)),
     ("int8", 32, 1, launch("fma", 1, block_k=128, block_n=32)),
     ("int8", 64, 2, launch("fma", 1, split=2, block_k=64)),
     ("uint4_zp", 64, 1, launch("fma", 1, block_k=64, block_n=32)),  # 48 rows: a masked tail
