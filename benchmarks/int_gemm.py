@@ -43,8 +43,10 @@ def candidates(rows: int, modes: tuple[str, ...] = ("fma", "dot")) -> list[dict]
 
 
 def _candidates(rows: int) -> list[dict]:
+    from compile_engine.kernels_generated.int_linear import FMA_MAX_ROWS
+
     out = []
-    if rows <= 4:  # the few-row form: a program a row, lanes over weight rows
+    if rows <= FMA_MAX_ROWS:  # the one-row form: a program a row, lanes over weight rows
         for bn in (32, 64, 128, 256):
             for bk in (32, 64, 128):
                 for warps in (4, 8):

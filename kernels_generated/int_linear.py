@@ -16,7 +16,7 @@ One Triton kernel, dequantizing in registers, for every row count:
   group's scale. So the dequantization is exact and the product differs from the reference
   (`quant_linear_ref`: dequantize in float32, matmul) by the order of accumulation only: the
   scale multiplies a tile's sum rather than each term.
-- FMA (a few rows, `_int_fma_kernel`, a program per row): no tensor cores (a 16-row tile
+- FMA (one row, `_int_fma_kernel`, a program per row): no tensor cores (a 16-row tile
   would be mostly padding). Lanes run over weight rows: a thread holds a row's int32 words
   (16-byte loads) and the activations of their columns, one contiguous load a tile that every
   lane shares, shifts each code position out and ORs it into float32's mantissa under 2^23
@@ -74,7 +74,7 @@ from compile_engine.kernels_generated.device import sm_count
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.quant import QuantScheme
 
-FMA_MAX_ROWS = 4
+FMA_MAX_ROWS = 1  # the fma form runs a program per row: one row, one read of the weight
 SKINNY_MAX_ROWS = 16
 MAX_TILES = 1 << 16  # split-K counters per device
 # The weight formats this kernel runs (the GGUF (s, m) formats uint4 / uint8 run the
@@ -400,13 +400,17 @@ def int_linear_ref(
 @functools.cache
 def launch_config(tuning_key: str, n_size: int, k_size: int, rows_bucket: int) -> IntLaunch:
     """The tuned config for this weight and row bucket (nearest M among entries of exactly
-    this (N, K)); the table's default for the row class where none was tuned."""
+    this (N, K)); the table's default for the row class where none was tuned. The fma form
+    serves one row only: it runs a program per row, so more rows would read the weight again
+    each (batch 2 on the one-row gate_up entry: twice its 34 us, where the dot tile takes 41)."""
     table = tuning.resolve(tuning_key).table("int_gemm")
     section = table.targets.get("h100")
     entries = [
         e
         for e in (section.entries if section else [])
-        if e.key["N"] == n_size and e.key["K"] == k_size
+        if e.key["N"] == n_size
+        and e.key["K"] == k_size
+        and (rows_bucket <= FMA_MAX_ROWS or e.config["mode"] != "fma")
     ]
     if entries:
         best = min(entries, key=lambda e: abs(e.key["M"].bit_length() - rows_bucket.bit_length()))

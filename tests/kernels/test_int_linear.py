@@ -85,6 +85,10 @@ def test_interpreted_float16_dot_and_table_defaults() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
     default = k.launch_config(CONFIG.key, 4096, 1024, 1)  # a shape the table has no entry of
     assert default.mode == "fma" and k.launch_config(CONFIG.key, 1, 1, 64).block_m
+    # the fma form reads the weight once a row: two rows take a dot entry, tuned or default
+    assert k.launch_config(CONFIG.key, 4096, 1024, 2).mode == "dot"
+    assert k.launch_config(CONFIG.key, 4096, 4096, 1).mode == "fma"
+    assert k.launch_config(CONFIG.key, 4096, 4096, 2).mode == "dot"
     entries = CONFIG.table("int_gemm").targets["h100"].entries  # swept on the H200
     (o_proj,) = [e for e in entries if (e.key["N"], e.key["K"], e.key["M"]) == (4096, 4096, 1)]
     assert k.launch_config(CONFIG.key, 4096, 4096, 1) == k.IntLaunch(**o_proj.config)
