@@ -12,6 +12,8 @@ call of a kernel on a device has to be eager, as the engine's warm-up is.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 # (kernel, device) -> its counters; tests read it to check the counters came back to zero.
@@ -33,3 +35,30 @@ def arrival_counters(
         counters = torch.zeros(size, dtype=torch.int32, device=device)
         ALLOCATED[(kernel, device)] = counters
     return counters
+
+
+@triton.jit
+def store_split(acc, o_offs, p_offs, o_mask, out_ptr, ws_ptr, counter_ptr, plane, split_k,
+                pid_k, tile):  # fmt: skip
+    """A split-K GEMM's end: with one split, `acc` (float32, any layout) rounded to the
+    output's dtype at `o_offs`; else this split's partial at `p_offs` of its `plane`-sized
+    workspace slice, counted in on `tile`'s counter, and the last to arrive sums the partials
+    in split order (deterministic), stores them and zeroes the counter."""
+    out_dtype = out_ptr.dtype.element_ty
+    if split_k == 1:
+        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
+    else:
+        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
+        # Every thread's partial is stored before the one thread that does the atomic
+        # publishes it (release at GPU scope); the last arrival acquires the others'.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, split_k):
+                # .cg: read from L2, where the other SMs' partials are, never a stale L1 line.
+                total += tl.load(
+                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0)

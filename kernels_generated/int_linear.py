@@ -69,7 +69,7 @@ from triton.runtime.jit import JITFunction
 
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import bucket_tokens
-from compile_engine.kernels_generated.counters import arrival_counters
+from compile_engine.kernels_generated.counters import arrival_counters, store_split
 from compile_engine.kernels_generated.device import sm_count
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.quant import QuantScheme
@@ -141,28 +141,11 @@ def _finish(acc, offs_m, offs_n, M, N, out_ptr, ws_ptr, counter_ptr, stride_om, 
     mask_m = offs_m < M
     mask_n = offs_n < N
     o_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    p_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     o_mask = mask_m[:, None] & mask_n[None, :]
-    out_dtype = out_ptr.dtype.element_ty
-    if split_k == 1:
-        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
-    else:
-        plane = M.to(tl.int64) * N
-        p_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
-        # Every thread's partial is stored before the one atomic publishes it (release at GPU
-        # scope); the last arrival acquires the others'.
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, split_k):
-                # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
-                total += tl.load(
-                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_split(acc, o_offs, p_offs, o_mask, out_ptr, ws_ptr, counter_ptr, M.to(tl.int64) * N,
+                split_k, pid_k, tile)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "k_tiles"])

@@ -81,7 +81,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compile_engine.kernels_generated import tuning
 from compile_engine.kernels_generated.configs import ConfigEntry, bucket_tokens
-from compile_engine.kernels_generated.counters import arrival_counters
+from compile_engine.kernels_generated.counters import arrival_counters, store_split
 from compile_engine.kernels_generated.device import pdl_launch, pdl_on, sm_count
 from compile_engine.kernels_generated.tuning import KernelConfig
 from compile_engine.models.ops import add_rms_norm_ref, silu_and_mul_ref
@@ -372,26 +372,9 @@ def _skinny_gemm_kernel(
         o_offs = offs_n[:, None] + offs_m[None, :].to(tl.int64) * stride_om
         p_offs = offs_n[:, None] + offs_m[None, :].to(tl.int64) * N
         o_mask = mask_n[:, None] & mask_m[None, :]
-    out_dtype = out_ptr.dtype.element_ty
-    if split_k == 1:
-        tl.store(out_ptr + o_offs, acc.to(out_dtype), mask=o_mask)
-    else:
-        plane = M.to(tl.int64) * N
-        tl.store(ws_ptr + pid_k * plane + p_offs, acc, mask=o_mask)
-        # Every thread's partial is stored before the one thread that does the atomic
-        # publishes it (release at GPU scope); the last arrival acquires the others'.
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, split_k):
-                # .cg: read from L2, where the other SMs' partials are, never a stale L1 line.
-                total += tl.load(
-                    ws_ptr + s * plane + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(out_ptr + o_offs, total.to(out_dtype), mask=o_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_split(acc, o_offs, p_offs, o_mask, out_ptr, ws_ptr, counter_ptr, M.to(tl.int64) * N,
+                split_k, pid_k, tile)  # fmt: skip
 
 
 INTERPRETED = not isinstance(_skinny_gemm_kernel, JITFunction)
