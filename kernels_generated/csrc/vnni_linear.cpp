@@ -251,10 +251,18 @@ inline void block_rows(const uint8_t* w, const float* sm, const Activations& act
       const int64_t t = t0 + i;
       const int8_t* hp = hi + t * K + g * kGroup;
       const int8_t* lp = lo + t * K + g * kGroup;
-      __m512i d = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) d = _mm512_dpbusd_epi32(d, wv[p], bcast4(hp + 4 * p));
-      d = _mm512_slli_epi32(d, 8);
-      for (int p = 0; p < 8; ++p) d = _mm512_dpbusd_epi32(d, wv[p], bcast4(lp + 4 * p));
+      // The hi and lo passes in two chains (and each in two halves): vpdpbusd's latency is
+      // several cycles, and one chain of 16 left its ports idle between dependent products.
+      __m512i dh0 = _mm512_setzero_si512(), dh1 = _mm512_setzero_si512();
+      __m512i dl0 = _mm512_setzero_si512(), dl1 = _mm512_setzero_si512();
+      for (int p = 0; p < 8; p += 2) {
+        dh0 = _mm512_dpbusd_epi32(dh0, wv[p], bcast4(hp + 4 * p));
+        dh1 = _mm512_dpbusd_epi32(dh1, wv[p + 1], bcast4(hp + 4 * p + 4));
+        dl0 = _mm512_dpbusd_epi32(dl0, wv[p], bcast4(lp + 4 * p));
+        dl1 = _mm512_dpbusd_epi32(dl1, wv[p + 1], bcast4(lp + 4 * p + 4));
+      }
+      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(dh0, dh1), 8),
+                                         _mm512_add_epi32(dl0, dl1));
       const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[t * G + g]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[i]);
       acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * G + g]), acc[i]);
