@@ -63,18 +63,47 @@ def extension_dir() -> Path:
     return Path(base) / "compile-engine" / "cpp_extensions"
 
 
-def _compile_command(isa: str, output: Path) -> list[str]:
+def _compile_command(source: Path, flags: tuple[str, ...], output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = ["g++", *CXX_FLAGS, *ISA_FLAGS[isa], f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    command += [str(SOURCE), "-o", str(output)]
+    command = ["g++", *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    command += [str(source), "-o", str(output)]
     command += [f"-I{path}" for path in include_paths()]
     command += [f"-I{sysconfig.get_paths()['include']}"]
     # torch's own libgomp (same soname), so the kernel's threads are torch.set_num_threads's.
     command += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-lgomp", f"-Wl,-rpath,{torch_lib}"]
     return command
+
+
+def build_library(source: Path, name: str, flags: tuple[str, ...]) -> Path:
+    """`source` built (once per its text, torch's version and `flags`) into the extension
+    directory as a shared library named after `name`, and its path; raises KernelBuildError
+    with the compiler's output."""
+    key = hashlib.sha256()
+    key.update(source.read_bytes())
+    key.update(f"{torch.__version__}|{' '.join(flags)}".encode())
+    directory = extension_dir()
+    library = directory / f"{name}_{key.hexdigest()[:16]}.so"
+    if not library.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        # Built beside, then renamed: two processes building at once both end with one file.
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            done = subprocess.run(
+                _compile_command(source, flags, partial), capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise KernelBuildError(
+                    f"building {source.name} ({name}) failed (g++ exit {done.returncode}):\n"
+                    f"{done.stderr}"
+                )
+            os.replace(partial, library)
+        finally:
+            partial.unlink(missing_ok=True)
+    return library
 
 
 def machine_isa() -> str:
@@ -97,27 +126,7 @@ def load(isa: str | None = None) -> Callable[..., Tensor]:
 
 @functools.cache
 def _load(isa: str) -> Callable[..., Tensor]:
-    flags = (*CXX_FLAGS, *ISA_FLAGS[isa])
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(f"{torch.__version__}|{' '.join(flags)}".encode())
-    directory = extension_dir()
-    library = directory / f"{ISA_OPS[isa]}_{key.hexdigest()[:16]}.so"
-    if not library.is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        # Built beside, then renamed: two processes building at once both end with one file.
-        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        try:
-            done = subprocess.run(_compile_command(isa, partial), capture_output=True, text=True)
-            if done.returncode != 0:
-                raise KernelBuildError(
-                    f"building {SOURCE.name} for {isa} failed (g++ exit {done.returncode}):\n"
-                    f"{done.stderr}"
-                )
-            os.replace(partial, library)
-        finally:
-            partial.unlink(missing_ok=True)
+    library = build_library(SOURCE, ISA_OPS[isa], (*CXX_FLAGS, *ISA_FLAGS[isa]))
     torch.ops.load_library(str(library))
     name = f"ce_cpu::{ISA_OPS[isa]}"
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from compile_engine.kernels_generated.paged_attention_cpu import (
+    _decode_read,
+    decode_read_kernel,
     paged_attention_cpu_impl,
     paged_attention_decode_cpu,
 )
@@ -17,10 +19,11 @@ from compile_engine.models.ops import paged_attention_ref
 BLOCK, HQ, HKV, D, BLOCKS = 16, 6, 2, 32, 24
 
 
-def batch(q_lens: list[int], ctx: list[int], dtype: torch.dtype):
+def batch(q_lens: list[int], ctx: list[int], dtype: torch.dtype, heads=(HQ, HKV, D)):
+    hq, hkv, d = heads
     g = torch.Generator().manual_seed(sum(ctx))
     t = sum(q_lens)
-    cache = torch.randn(2, BLOCKS, BLOCK, HKV, D, generator=g).to(dtype)
+    cache = torch.randn(2, BLOCKS, BLOCK, hkv, d, generator=g).to(dtype)
     perm = torch.randperm(BLOCKS - 1, generator=g) + 1  # block 0 is the scratch block
     tables = torch.zeros(len(ctx), 8, dtype=torch.int32)
     slots, used = [], 0
@@ -32,8 +35,8 @@ def batch(q_lens: list[int], ctx: list[int], dtype: torch.dtype):
             int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK for p in range(length - q_len, length)
         ]
     starts = torch.tensor([0] + q_lens).cumsum(0).int()
-    q = torch.randn(t, HQ, D, generator=g).to(dtype)
-    k, v = (torch.randn(t, HKV, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k, v = (torch.randn(t, hkv, d, generator=g).to(dtype) for _ in range(2))
     return q, k, v, cache, torch.tensor(slots), tables, torch.tensor(ctx, dtype=torch.int32), starts
 
 
@@ -63,6 +66,45 @@ def test_decode_form_equals_reference(ctx, dtype) -> None:
     assert torch.equal(cache, want_cache)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours, want, rtol=tol, atol=tol)
+
+
+def _cpp_read():
+    kernel = decode_read_kernel()
+    if kernel is None:
+        pytest.skip("the C++ decode read builds on x86 Linux with g++ only (not here)")
+    return kernel
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("ctx", [[37], [5, 40, 17], [16, 1, 90]], ids=str)
+def test_cpp_decode_read_equals_reference(heads, ctx) -> None:
+    # float32 caches of the head sizes it is built for take the C++ read (csrc/paged_decode_cpu
+    # .cpp): each sequence's own keys, against the reference's masked SDPA and the fused read.
+    kernel = _cpp_read()
+    q, k, v, cache, slots, tables, lens, starts = batch([1] * len(ctx), ctx, torch.float32, heads)
+    want_cache = cache.clone()
+    want = paged_attention_ref(q, k, v, want_cache, slots, tables, lens, starts, 0.125)
+    ours = paged_attention_decode_cpu(
+        q, k, v, cache, slots, tables, lens, starts, 0.125, None, None, ""
+    )
+    assert torch.equal(cache, want_cache)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+    fused = _decode_read(q, cache, tables, lens, None, None, 0.125)
+    torch.testing.assert_close(kernel(q, cache, tables, lens, 0.125), fused, rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_decode_read_reads_zeros_for_no_keys_and_refuses_bad_tables() -> None:
+    kernel = _cpp_read()
+    q, _, _, cache, _, tables, lens, _ = batch([1, 1], [37, 9], torch.float32, (9, 3, 64))
+    out = kernel(q, cache, tables, torch.tensor([37, 0], dtype=torch.int32), 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+    bad = tables.clone()
+    bad[0, 1] = BLOCKS  # a block id past the cache
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(q, cache, bad, lens, 0.125)
+    with pytest.raises(RuntimeError, match="not built for head size 64 and 5"):
+        q5 = torch.randn(2, 15, 64)
+        kernel(q5, cache, tables, lens, 0.125)
 
 
 def test_decode_form_compiled() -> None:
