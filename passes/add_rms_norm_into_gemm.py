@@ -69,6 +69,7 @@ class AddRmsNormIntoGemm(GraphPass):
     dtypes = (torch.bfloat16, torch.float16)
     kernel_files = (
         "kernels_generated/skinny_gemm.py",
+        "kernels_generated/counters.py",
         "kernels_generated/configs/skinny_gemm.json",
         "kernels_generated/add_rms_norm.py",
     )

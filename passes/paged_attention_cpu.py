@@ -20,7 +20,11 @@ class PagedAttentionCpu(GraphPass):
     name = "paged_attention_cpu"
     description = "paged_attention -> its decode-step fast path in few ATen calls (cpu)"
     targets = ("cpu",)
-    kernel_files = ("kernels_generated/paged_attention_cpu.py",)
+    kernel_files = (
+        "kernels_generated/paged_attention_cpu.py",
+        "kernels_generated/csrc/paged_decode_cpu.cpp",
+        "kernels_generated/vnni_linear_cpu.py",
+    )
 
     def applies(self, ctx: PassContext) -> bool:
         return ctx.target == "cpu"
@@ -29,9 +33,14 @@ class PagedAttentionCpu(GraphPass):
         import torch
 
         from compile_engine.kernels_generated.paged_attention_cpu import (  # registers
+            decode_read_kernel,
             paged_attention_decode_cpu,
         )
 
+        if ctx.decode_only:
+            # Builds and loads the C++ read the decode graph may call, in every process that
+            # runs it: where Inductor's caches serve the compiled graph, nothing else would.
+            decode_read_kernel()
         # A decode graph inlines the attention (a plain function AOTAutograd traces into ATen
         # ops): no split, the whole step one piece. Else the op, a split point.
         kernel = (

@@ -67,6 +67,7 @@ class QuantizedGemm(GraphPass):
     kernel_files = (
         "kernels_generated/fp8_linear.py",
         "kernels_generated/skinny_gemm.py",
+        "kernels_generated/counters.py",
         "kernels_generated/configs/fp8_gemm.json",
         "kernels_generated/int_linear_cpu.py",
         "kernels_generated/vnni_linear_cpu.py",

@@ -63,6 +63,7 @@ class SkinnyGemm(GraphPass):
     dtypes = (torch.bfloat16, torch.float16)
     kernel_files = (
         "kernels_generated/skinny_gemm.py",
+        "kernels_generated/counters.py",
         "kernels_generated/configs/skinny_gemm.json",
     )
 
