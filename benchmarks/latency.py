@@ -482,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
             payload[f"cpu_gguf_decode_bs{b}_tok_s"] = payload[f"decode_bs{b}_tok_s"]
             if f"hf_eager_decode_bs{b}_tok_s" in payload:
                 payload[f"cpu_hf_decode_bs{b}_tok_s"] = payload[f"hf_eager_decode_bs{b}_tok_s"]
+    weight_only = device.type == "cuda" and quant is not None and quant.scheme.activation == "none"
+    if weight_only and quant.scheme.weight in ("int4", "uint4_zp", "int8", "uint8_zp"):
+        for b in batch_sizes:  # issue 29's recorded keys: int4_decode_bs1_tok_s, ...
+            key = f"int{quant.scheme.bits}_decode_bs{b}_tok_s"
+            payload[key] = payload[f"decode_bs{b}_tok_s"]
     path = write_result(args.name, payload, args.results_dir, device=device.type)
     print_latency(payload)
     print(f"wrote {path}")
