@@ -195,13 +195,16 @@ class SamplerOutput:
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """First index of each row's maximum. On CUDA a two-launch Triton kernel
     (kernels_generated/argmax.py): torch's reduction gives a row to one thread block, 36 us
-    for a batch-1 row of Llama-3's 128k vocabulary on the H200."""
+    for a batch-1 row of Llama-3's 128k vocabulary on the H200. On the CPU `max(dim).indices`
+    (the same first index, NaN the maximum as argmax's): SmolLM2's 49,152 logits on the 2-core
+    Xeon 21 us a row against argmax's 61, 160 against 489 at 16 rows."""
     if logits.is_cuda:
         from compile_engine.kernels_generated.argmax import MAX_VOCAB, argmax_triton
 
         if logits.shape[-1] <= MAX_VOCAB:
             return argmax_triton(logits)
-    return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1)
+    return logits.max(dim=-1).indices
 
 
 class Sampler:
