@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -170,20 +171,23 @@ def as_decode_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadat
     before any row reads, so a row finds the step's earlier tokens in the cache. A speculative
     verification step (1 + k tokens a sequence) then costs about a decode step of that many
     sequences, not the 31 pieces' (SmolLM2, issue 33)."""
-    starts = meta.query_start_loc
-    if starts.device.type != "cpu" or int(starts[-1]) != num_tokens:
+    if meta.query_start_loc.device.type != "cpu":
         return None
-    q_lens = (starts[1:] - starts[:-1]).long()
-    if int(q_lens.max()) > DECODE_ROWS_MAX_TOKENS:
+    starts = meta.query_start_loc.numpy()  # numpy: a verification step's host work
+    if starts[-1] != num_tokens:
         return None
-    seq_of = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)  # [T]
-    offset = torch.arange(num_tokens) - starts[:-1].long()[seq_of]
-    seq_lens = meta.seq_lens[seq_of] - q_lens[seq_of].to(meta.seq_lens.dtype) + 1
+    q_lens = np.diff(starts)
+    if q_lens.max() > DECODE_ROWS_MAX_TOKENS:
+        return None
+    seq_of = np.repeat(np.arange(len(q_lens)), q_lens)  # [T]
+    # Row i of a sequence: its length less the tokens after it.
+    lens = meta.seq_lens.numpy()
+    seq_lens = lens[seq_of] - (starts[1:][seq_of] - np.arange(num_tokens)) + 1
     return AttentionMetadata(
         slot_mapping=meta.slot_mapping,
-        block_tables=meta.block_tables[seq_of],
-        seq_lens=seq_lens + offset.to(meta.seq_lens.dtype),
-        query_start_loc=torch.arange(num_tokens + 1, dtype=starts.dtype),
+        block_tables=torch.from_numpy(meta.block_tables.numpy()[seq_of]),
+        seq_lens=torch.from_numpy(seq_lens.astype(lens.dtype)),
+        query_start_loc=torch.arange(num_tokens + 1, dtype=meta.query_start_loc.dtype),
     )
 
 

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from compile_engine.compiler.compiled_model import as_decode_rows
@@ -192,19 +193,31 @@ class CUDAGraphRunner:
             self._choose_tiled = choose_tiled
         self.max_num_seqs = max_num_seqs
         max_tokens = self.sizes[-1]
+        # The token ids arrive on the device (a decode step's are the last step's samples).
+        # The positions and slots are the rows of one buffer, the sequence lengths and query
+        # starts two parts of another (the starts 16-byte aligned), each filled on the host
+        # and copied in one go: a step's inputs are four copies (the ids, these two, the
+        # block table), not nine small copies and fills.
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._rows = torch.zeros(2, max_tokens, dtype=torch.int64, device=device)
+        self._rows_host = np.zeros((2, max_tokens), dtype=np.int64)
+        self.positions, self.slot_mapping = self._rows.unbind(0)
+        starts = -(-max_num_seqs // 4) * 4
+        self._lens = torch.zeros(starts + max_num_seqs + 1, dtype=torch.int32, device=device)
+        self._lens_host = np.zeros(starts + max_num_seqs + 1, dtype=np.int32)
+        self.seq_lens = self._lens[:max_num_seqs]
+        self.query_start_loc = self._lens[starts:]
+        self._starts = starts
         self.block_tables = torch.zeros(
             max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
         )
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         # Keyed by (size, table width in blocks or None for the full table, sequence slots
         # or None for max_num_seqs).
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
-        self.last_key: GraphKey | None = None  # the graph replayed last
+        self.last_key: GraphKey | None = None  # the graph this step replayed (None: none)
+        # Graphs of the lm_head and each row's argmax over a graph's output (`capture_heads`).
+        self.heads: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0  # host time of the warm-up calls (part of capture_seconds)
@@ -267,11 +280,9 @@ class CUDAGraphRunner:
     def prepare_for_capture(self) -> None:
         """An all-padding batch: the kernels run their launch path and touch only block 0."""
         self.input_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.zero_()
+        self._rows.zero_()
+        self._lens.zero_()
         self.block_tables.zero_()
-        self.seq_lens.zero_()
-        self.query_start_loc.zero_()
 
     def _warm_up(self, key: GraphKey) -> None:
         start = time.perf_counter()
@@ -334,6 +345,48 @@ class CUDAGraphRunner:
             self.pool_bytes / 2**30,
         )
 
+    @torch.inference_mode()
+    def capture_heads(
+        self,
+        head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        max_rows: int,
+    ) -> None:
+        """Capture `head` (hidden rows -> their logits and each row's argmax: the runtime's
+        lm_head and greedy choice) over the output of every graph of at most `max_rows`
+        tokens but the prefill ones. A step whose every row samples (decode, verification)
+        replays it (`replay_head`) instead of launching the lm_head and argmax kernels from
+        the host, three Triton launches a step."""
+        keys = self.head_keys(max_rows)
+        if not keys:
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for key in keys:
+                hidden = self.outputs[key]
+                head(hidden)  # lazy init (kernel loads) outside the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    logits, tokens = head(hidden)
+                self.heads[key] = (graph, logits, tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def head_keys(self, max_rows: int) -> list[GraphKey]:
+        """The graphs a head follows: up to max_rows tokens, not prefill graphs (whose steps
+        sample a row a sequence, not every row)."""
+        return [key for key in self._keys() if key[0] <= max_rows and key[2] is None]
+
+    def replay_head(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The logits [num_rows, V] and argmax [num_rows] of this step's graph output, by its
+        head graph's replay; None when this step replayed no graph or one without a head."""
+        entry = self.heads.get(self.last_key) if self.last_key is not None else None
+        if entry is None:
+            return None
+        graph, logits, tokens = entry
+        graph.replay()
+        return logits[:num_rows], tokens[:num_rows]
+
     def _key(self, size: int, num_tokens: int, num_seqs: int, width: int) -> GraphKey:
         rows = self.prefill_rows.get(size)
         tiled = rows is not None and num_seqs <= rows
@@ -356,17 +409,22 @@ class CUDAGraphRunner:
     ) -> None:
         n, b = input_ids.shape[0], meta.seq_lens.shape[0]
         width = meta.block_tables.shape[1]
+        rows, lens, starts = self._rows_host, self._lens_host, self._starts
+        rows[0, :n] = positions.numpy()
+        rows[1, :n] = meta.slot_mapping.numpy()
+        rows[1, n:size] = 0
+        lens[:b] = meta.seq_lens.numpy()
+        lens[b:starts] = 0
+        lens[starts : starts + b + 1] = meta.query_start_loc.numpy()
+        lens[starts + b + 1 :] = n
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:size].zero_()
+        # Pageable host buffers: a copy from one has read it when it returns, so the next
+        # step may refill them while this one's copies are still queued.
+        self._rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        self._lens.copy_(torch.from_numpy(lens), non_blocking=True)
         # Columns past `width` may hold a previous step's blocks: the kernel reads only the
         # first ceil(seq_len / block_size) entries of a row, all of which are written here.
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
-        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[b:].zero_()
-        self.query_start_loc[: b + 1].copy_(meta.query_start_loc, non_blocking=True)
-        self.query_start_loc[b + 1 :].fill_(n)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -375,6 +433,7 @@ class CUDAGraphRunner:
         step's own shapes choose the tiled attention kernel, else its short-context graph when
         the step's block table is no wider than that graph's; None if no size fits."""
         n, num_seqs = input_ids.shape[0], meta.seq_lens.shape[0]
+        self.last_key = None
         if num_seqs < n <= self.decode_rows_max:
             # A speculative verification step (1 + k tokens a sequence) as one-token rows:
             # each row attends with the splits and key tiles of the one-token decode of the

@@ -40,7 +40,13 @@ from compile_engine.models.tokenizer import SAVED_DIR, load_tokenizer
 from compile_engine.runtime.activation_profile import activation_bytes
 from compile_engine.runtime.activation_profile import lookup as lookup_activation_bytes
 from compile_engine.runtime.engine_config import EngineConfig, EngineConfigError
-from compile_engine.runtime.model_runner import ModelRunner, allocate_kv_caches, default_num_blocks
+from compile_engine.runtime.model_runner import (
+    GRAPH_HEAD_MAX_ROWS,
+    ModelRunner,
+    allocate_kv_caches,
+    default_num_blocks,
+    logits_and_argmax,
+)
 from compile_engine.runtime.parallel import (
     WorkerGroup,
     WorkerSpec,
@@ -251,6 +257,10 @@ class _Start:
                     device=device,
                 )
                 graphs.capture(self.progress)
+                if head is None:  # an EAGLE-3 / MTP target returns its features beside
+                    graphs.capture_heads(
+                        logits_and_argmax(compiled.compute_logits), GRAPH_HEAD_MAX_ROWS
+                    )
                 self.phase("cuda_graphs_s", mark)
         forward, compute_logits = compiled, None
         if self.workers is not None:

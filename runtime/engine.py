@@ -14,7 +14,7 @@ from compile_engine.models.loader import LoadedModel
 from compile_engine.runtime.builder import Progress, build_engine
 from compile_engine.runtime.detokenizer import IncrementalDetokenizer
 from compile_engine.runtime.engine_config import TARGETS, EngineConfig, EngineConfigError
-from compile_engine.runtime.model_runner import InFlightStep
+from compile_engine.runtime.model_runner import InFlightStep, RunnerOutput
 from compile_engine.runtime.outputs import CompletionOutput, RequestOutput
 from compile_engine.runtime.prompt_logprobs import PromptScores
 from compile_engine.runtime.request import Request, RequestStatus
@@ -67,6 +67,8 @@ class LLMEngine:
         self._seq_of: dict[str, tuple[Group, Sequence]] = {}
         self._counter = 0
         self._in_flight: InFlightStep | None = None
+        # A step processed at once whose text and outputs wait for the next launch (`step`).
+        self._undelivered: tuple[InFlightStep, RunnerOutput] | None = None
         self._needs_history: set[str] = set()  # live groups whose sampling reads past tokens
         # Speculative decoding's choice of k a step (runtime/spec_policy.py); None: always
         # num_speculative_tokens.
@@ -166,7 +168,7 @@ class LLMEngine:
             self.structured.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or self._in_flight is not None
+        return bool(self.groups) or self._in_flight is not None or self._undelivered is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -184,6 +186,7 @@ class LLMEngine:
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
+        undelivered, self._undelivered = self._undelivered, None
         k = self._num_drafts  # chosen at the end of the last step (runtime/spec_policy.py)
         if previous is not None and not self._overlap(k):
             outputs, previous = self._process(previous), None
@@ -199,8 +202,10 @@ class LLMEngine:
             # masks are computed while its forward runs.
             masked = self.structured.constrains([it.request for it in step.scheduled])
             launched = self.runner.launch(step, previous, defer_sampling=masked)
+        if undelivered is not None:  # the last step's text, while this one runs
+            outputs += self._deliver(*undelivered)
         if previous is not None:
-            outputs = self._process(previous)
+            outputs += self._process(previous)
         if launched is not None and launched.logits is not None:
             masks = self.structured.bitmask(launched.sampling, launched.drafts)
             self.runner.sample(launched, masks)
@@ -210,12 +215,19 @@ class LLMEngine:
             if launched.spec is None and self._overlap(self._num_drafts):
                 self._in_flight = launched
             else:  # drafts are verified at once
-                outputs += self._process(launched)
+                result = self._advance(launched)
+                if self._defer_delivery():
+                    self._undelivered = (launched, result)
+                else:
+                    outputs += self._deliver(launched, result)
                 self._num_drafts = self._choose_drafts()
         elapsed = time.perf_counter() - started
         if self.spec_policy is not None and launched is not None:
             self.spec_policy.observe_step(
-                step.num_batched_tokens, elapsed, launched.spec is not None
+                step.num_batched_tokens,
+                elapsed,
+                launched.spec is not None,
+                overlapped=self._in_flight is not None,
             )
         self.runner.counters.busy_s += elapsed
         return outputs
@@ -225,6 +237,15 @@ class LLMEngine:
         # takes no drafts (the policy chose k = 0) proposes nothing.
         speculating = num_drafts != 0 and self.scheduler.speculating()
         return self.config.async_scheduling and not (self._needs_history or speculating)
+
+    def _defer_delivery(self) -> bool:
+        """Whether a step processed at once (speculation) leaves its text, stop strings and
+        outputs for the next step's call, after that step's launch: its host work then runs
+        beside the device's. Not with a grammar (its next drafts and masks need the text),
+        penalties or synchronous scheduling (whose step returns its own tokens)."""
+        return (
+            self.config.async_scheduling and not self._needs_history and not self.structured.states
+        )
 
     def _choose_drafts(self) -> int | None:
         """The next step's k (None: num_speculative_tokens, no policy): from the policy's
@@ -242,14 +263,23 @@ class LLMEngine:
 
     def _process(self, flight: InFlightStep) -> list[RequestOutput]:
         """Deliver a launched step's tokens: scheduler update, stop strings, text."""
-        step = flight.step
+        return self._deliver(flight, self._advance(flight))
+
+    def _advance(self, flight: InFlightStep) -> RunnerOutput:
+        """Wait for a launched step's tokens and advance the scheduler by them (eos, length,
+        the next step's pending tokens); what the next step's proposals and schedule need."""
         result = self.runner.collect(flight)
         if self.spec_policy is not None and flight.spec is not None:
-            for item in step.scheduled:  # before a stop cuts the tokens
+            for item in flight.step.scheduled:  # before a stop cuts the tokens
                 if item.draft_token_ids:
                     accepted = len(result.sampled[item.request.request_id]) - 1
                     self.spec_policy.observe_verified(len(item.draft_token_ids), accepted)
-        self.scheduler.update_from_output(step, result.sampled)
+        self.scheduler.update_from_output(flight.step, result.sampled)
+        return result
+
+    def _deliver(self, flight: InFlightStep, result: RunnerOutput) -> list[RequestOutput]:
+        """An advanced step's tokens to its requests: stop strings, grammars, text, outputs."""
+        step = flight.step
         changed: dict[str, Group] = {}
         for rid, (first, scores) in result.prompt_logprobs.items():
             if (entry := self._seq_of.get(rid)) is not None:

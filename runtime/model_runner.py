@@ -27,6 +27,7 @@ from compile_engine.runtime.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
+    greedy_argmax,
     prompt_token_logprobs,
 )
 from compile_engine.runtime.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
@@ -47,6 +48,21 @@ CPU_KV_BYTES = 4 << 30
 # for 128k), not [chunk, V]: the size of one step's sampling at max_num_seqs=256, which the KV
 # pool's activation reserve already covers.
 PROMPT_LOGPROB_ROWS = 256
+# CUDA graphs of up to this many tokens also capture the lm_head and each row's argmax after
+# the model (`CUDAGraphRunner.capture_heads`): decode batches and verification steps (one row
+# a token up to attention.write_first_max_tokens, 16) replay them instead of three Triton
+# launches from the host, which bound SmolLM2's steps on the H200.
+GRAPH_HEAD_MAX_ROWS = 16
+
+
+def logits_and_argmax(compute_logits: Callable) -> Callable:
+    """hidden rows -> (their logits, each row's argmax): what a head graph captures."""
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = compute_logits(hidden)
+        return logits, greedy_argmax(logits)
+
+    return head
 
 
 @dataclass(slots=True)
@@ -102,7 +118,11 @@ class InFlightStep:
     prompt_rows: PromptRows | None = None
     prompt_host: list[torch.Tensor] | None = None  # their logprobs, ranks, top ids, top values
     logits: torch.Tensor | None = None  # [S, V] while sampling waits (launch's defer_sampling)
+    argmax: torch.Tensor | None = None  # [S] each logits row's argmax, where a head graph made it
     spec: SpecRows | None = None  # the rows verifying drafts; host then holds their results
+    # Greedy verification by argmax alone: host holds every row's argmax, and the host
+    # accepts the drafts (`_verified`); token_ids is then None.
+    host_verifies: bool = False
 
     @property
     def drafts(self) -> list[list[int]] | None:
@@ -498,7 +518,13 @@ class ModelRunner:
         flight = InFlightStep(step, sampling, None, None, None, inputs.prompt_rows)
         flight.spec = inputs.spec
         if sampling:
-            flight.logits = self._logits(hidden, inputs.sample_rows)
+            head = None
+            if self.graphs is not None and len(inputs.sample_rows) == hidden.shape[0]:
+                head = self.graphs.replay_head(hidden.shape[0])  # every row samples
+            if head is not None:
+                flight.logits, flight.argmax = head
+            else:
+                flight.logits = self._logits(hidden, inputs.sample_rows)
             if not defer_sampling:
                 self._sample_into(flight, None)
         if inputs.prompt_rows is not None:
@@ -516,6 +542,15 @@ class ModelRunner:
         flight.done = self._record()
 
     def _sample_into(self, flight: InFlightStep, token_bitmask: torch.Tensor | None) -> None:
+        if token_bitmask is None and all(map(_argmax_only, flight.sampling)):
+            # Every row's token is its argmax: no SamplingBatch (a few host-to-device copies
+            # a step) and no rejection sampling; the host accepts a greedy row's drafts.
+            tokens = flight.argmax if flight.argmax is not None else greedy_argmax(flight.logits)
+            flight.logits = flight.argmax = None
+            flight.host = [tokens.to("cpu", non_blocking=True)]
+            flight.host_verifies = flight.spec is not None
+            flight.token_ids = None if flight.host_verifies else tokens
+            return
         if flight.spec is not None:
             self._verify_into(flight, token_bitmask)
             return
@@ -685,9 +720,36 @@ def _sampled(flight: InFlightStep) -> tuple[dict, dict]:
     return sampled, logprobs
 
 
+def _argmax_only(request) -> bool:
+    """Whether a sampling request's token is its logits' argmax: greedy, nothing that changes
+    or reports the logits, min_tokens reached (the scheduler counts this step's sample as
+    pending already)."""
+    params = request.sampling_params
+    return params.argmax_only and (
+        request.num_output_tokens + request.num_pending_tokens > params.min_tokens
+    )
+
+
+def _host_verified(flight: InFlightStep) -> dict[str, list[int]]:
+    """Greedy verification from every row's argmax: a request keeps its drafts while each
+    equals the argmax of the row before it, then that row's argmax (rejection_sample's
+    greedy rows)."""
+    tokens, drafts = flight.host[0].tolist(), flight.spec.draft_ids.tolist()
+    sampled, first = {}, 0
+    for request, count in zip(flight.sampling, flight.spec.counts, strict=True):
+        n = 0
+        while n < count - 1 and drafts[first + n] == tokens[first + n]:
+            n += 1
+        sampled[request.request_id] = tokens[first : first + n + 1]
+        first += count
+    return sampled
+
+
 def _verified(flight: InFlightStep) -> tuple[dict, dict]:
     """A verifying step's tokens: each request's accepted drafts and the token after them,
     with each one's own logprobs (its row's), if asked."""
+    if flight.host_verifies:
+        return _host_verified(flight), {}
     tokens, accepted = (t.tolist() for t in flight.host[:2])
     scores = [t.tolist() for t in flight.host[2:]]
     sampled: dict[str, list[int]] = {}

@@ -172,6 +172,13 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def argmax_only(self) -> bool:
+        """Greedy, with nothing that changes or reports its logits (no penalty, no logprobs):
+        once its min_tokens are out, its token is the logits' argmax (the runner's fast path,
+        no SamplingBatch). A grammar's mask the runner checks itself."""
+        return self.greedy and self.logprobs is None and not self.needs_output_history
+
+    @property
     def needs_output_history(self) -> bool:
         """Whether sampling reads the values of earlier outputs (penalties): such a request
         cannot be sampled while its previous token is still in flight."""

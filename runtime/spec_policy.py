@@ -8,21 +8,29 @@ B + D * drafted(k) tokens and emits about B + D * accepted(k):
     drafted(k)  = sum_{i<=k} p_i                    p_i: a row asked for >= i drafts got >= i
     accepted(k) = sum_{i<=k} p_i * prod_{j<=i} a_j  a_j: draft j accepted, the ones before were
 
-The policy picks the k with the most expected tokens per second, `tokens(k) / t(T(k))`, where
-t(T) is the engine's measured step time at T scheduled tokens. That is the trade-off vLLM's
-fixed k and its n-gram slowdown under load miss: at batch 1 on a GPU verifying 5 tokens costs
-about what 1 does (the weights are read once either way), at batch 256 it does not, and at low
-acceptance no k pays. When k = 0 wins, the engine steps asynchronously again (no proposal needs
-the last tokens on the host) and every `probe_interval()` steps a k = 1 step refreshes the
-acceptance estimate, spaced so that probes cost at most `probe_budget` of the time.
+The policy picks the k with the most expected tokens per second, tokens(k) over the step's
+expected time, from the engine's measured step times at T scheduled tokens. Those are kept
+apart for steps that overlapped the next one's host work (k = 0: asynchronous) and steps that
+did not (k > 0: a proposal needs the last tokens on the host, so even a step whose proposer
+found nothing waits for its own tokens). One drafting row (batch 1) has a bimodal step: no
+draft found, or k of them; its expected time is over that distribution, not the time of its
+mean count (on the H200 SmolLM2's 1-token step took 0.85 ms overlapped and 1.2 ms not, 2-7
+tokens 1.7-1.8 ms: at a 52% proposal rate the mean count priced every k out). With more
+drafting rows the step's count concentrates and its mean's time is used. That is the
+trade-off vLLM's fixed k and its n-gram slowdown under load miss: at batch 1 on a GPU
+verifying 5 tokens costs about what 1 does (the weights are read once either way), at batch
+256 it does not, and at low acceptance no k pays. When k = 0 wins, the engine steps
+asynchronously again (no proposal needs the last tokens on the host) and every
+`probe_interval()` steps a k = 1 step refreshes the acceptance estimate, spaced so that probes
+cost at most `probe_budget` of the time.
 
 Estimates adapt: step times are the median of the last `window` steps at a token count
 (exact counts up to 32, geometric bins above; the median because a CPU shared with other work
 stalls a step now and then; the first step at a count is not kept: it pays first-use costs);
 a count not timed yet costs what the nearest smaller one timed does (optimistic: a k that
-could win is tried at each size until it is known, twice), k is
-explored upward one size at a time, and a step without drafts is timed at a size before any
-k is judged against it. Acceptance counts
+could win is tried at each size until it is known, twice; every k is judged, so a step cost
+that is flat past 2 tokens is found at the largest k at once), and a step without drafts is
+timed at a size before any k is judged against it. Acceptance counts
 decay by `decay` each step that verified drafts, from priors (proposals: all given;
 acceptance: one half) worth `prior_weight` observations a position.
 """
@@ -82,6 +90,11 @@ class StepCosts:
     def known(self, num_tokens: float) -> bool:
         """Whether a step of this many tokens (the larger count of a mixture) was timed."""
         return token_bin(math.ceil(num_tokens)) in self._samples
+
+    def timed_below(self, num_tokens: float) -> bool:
+        """Whether a count at most this one was timed (its estimate is then no guess from a
+        larger count)."""
+        return bool(self._keys) and self._keys[0] <= token_bin(math.floor(num_tokens))
 
     def estimate(self, num_tokens: float) -> float | None:
         """Seconds a step of `num_tokens` takes; None before any step was timed. A count not
@@ -184,7 +197,8 @@ class SpeculationPolicy:
         max_probe_interval: int = 256,
     ) -> None:
         self.max_k = num_speculative_tokens
-        self.costs = StepCosts(window)
+        self.costs = StepCosts(window)  # steps that overlapped the next one's host work
+        self.sync_costs = StepCosts(window)  # steps that did not
         self.acceptance = Acceptance(num_speculative_tokens, decay, prior_weight)
         self.probe_budget = probe_budget
         self.max_probe_interval = max_probe_interval
@@ -194,10 +208,13 @@ class SpeculationPolicy:
 
     # -- what happened --------------------------------------------------------------------
 
-    def observe_step(self, num_tokens: int, seconds: float, drafted: bool) -> None:
+    def observe_step(
+        self, num_tokens: int, seconds: float, drafted: bool, overlapped: bool = True
+    ) -> None:
         """One engine step: the tokens it scheduled, its wall time, whether rows verified
-        drafts (the acceptance counts age by steps that taught them something)."""
-        self.costs.observe(num_tokens, seconds)
+        drafts (the acceptance counts age by steps that taught them something), whether it
+        overlapped the next step's host work (left in flight)."""
+        (self.costs if overlapped else self.sync_costs).observe(num_tokens, seconds)
         if drafted:
             self._steps_since_drafts = 0
             self.acceptance.age()
@@ -212,9 +229,13 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------
 
-    def expected(self) -> list[tuple[float, float]]:
-        """(drafted(k), accepted(k)) of one drafting row, for k = 0..num_speculative_tokens."""
-        p, a = self.acceptance.rates()
+    def expected(
+        self, p: list[float] | None = None, a: list[float] | None = None
+    ) -> list[tuple[float, float]]:
+        """(drafted(k), accepted(k)) of one drafting row, for k = 0..num_speculative_tokens,
+        from the rates (p_i, a_i) given or the acceptance's."""
+        if p is None or a is None:
+            p, a = self.acceptance.rates()
         table = [(0.0, 0.0)]
         drafted = accepted = 0.0
         survive = 1.0
@@ -225,35 +246,60 @@ class SpeculationPolicy:
             table.append((drafted, accepted))
         return table
 
-    def rate(
-        self, expected: tuple[float, float], num_tokens: int, num_rows: int, num_drafting: int
-    ) -> float:
-        """Expected emitted tokens per second of a step of `num_tokens` tokens without drafts,
-        `num_rows` of them sampling, `num_drafting` of those drafting (drafted, accepted)."""
-        drafted, accepted = expected
-        seconds = self.costs.estimate(num_tokens + num_drafting * drafted)
-        tokens = num_rows + num_drafting * accepted
-        return tokens / seconds if seconds else 0.0
+    def seconds(self, num_tokens: float, overlapped: bool) -> float | None:
+        """A step's estimated time from the table of its kind, the other's where that timed
+        nothing at or below the count and the other did (optimistic either way: overlapped
+        steps are the cheaper, and an untimed count costs what a smaller one did)."""
+        first, other = (
+            (self.costs, self.sync_costs) if overlapped else (self.sync_costs, self.costs)
+        )
+        if not first.timed_below(num_tokens) and other.timed_below(num_tokens):
+            return other.estimate(num_tokens)
+        estimate = first.estimate(num_tokens)
+        return estimate if estimate is not None else other.estimate(num_tokens)
+
+    def known(self, num_tokens: float) -> bool:
+        return self.costs.known(num_tokens) or self.sync_costs.known(num_tokens)
+
+    def step_seconds(
+        self, num_tokens: int, num_drafting: int, proposed: list[float]
+    ) -> list[float | None]:
+        """Expected seconds of a step of `num_tokens` tokens before drafts with
+        `num_drafting` rows asked for k drafts, for k = 0..max_k (`proposed`: p_1..p_max_k).
+        One drafting row: over its draft count's distribution (j drafts with probability
+        p_j - p_j+1); more: at the mean count."""
+        out = [self.seconds(num_tokens, overlapped=True)]
+        if num_drafting != 1:
+            drafted = 0.0
+            for p in proposed:
+                drafted += p
+                out.append(self.seconds(num_tokens + num_drafting * drafted, overlapped=False))
+            return out
+        at = [self.seconds(num_tokens + j, overlapped=False) or 0.0 for j in range(self.max_k + 1)]
+        # E[t] at k: sum_j<k (p_j - p_j+1) t_j + p_k t_k, with p_0 = 1.
+        below, previous = 0.0, 1.0
+        for k, p in enumerate(proposed, 1):
+            below += (previous - p) * at[k - 1]
+            out.append(below + p * at[k])
+            previous = p
+        return out
 
     def choose(self, num_tokens: int, num_rows: int, num_drafting: int) -> Choice:
         """The k for a step of `num_tokens` tokens before drafts, `num_rows` sampling rows,
         `num_drafting` of which may take drafts."""
-        if num_drafting <= 0 or self.max_k == 0 or not self.costs.known(num_tokens):
+        if num_drafting <= 0 or self.max_k == 0 or not self.known(num_tokens):
             # A step without drafts at this size is timed first: every k is judged against it.
             choice = Choice(0, 0.0)
         else:
-            expected = self.expected()
-            # Up to the first k whose step size is not timed yet: exploring one k at a time
-            # costs a large batch one step of a few more tokens, not one of every draft.
-            last = 1
-            while last < self.max_k and self.costs.known(
-                num_tokens + num_drafting * expected[last][0]
-            ):
-                last += 1
+            proposed, survival = self.acceptance.rates()
+            expected = self.expected(proposed, survival)
+            seconds = self.step_seconds(num_tokens, num_drafting, proposed)
+            # Expected emitted tokens per second at each k.
             rates = [
-                self.rate(expected[k], num_tokens, num_rows, num_drafting) for k in range(last + 1)
+                (num_rows + num_drafting * accepted) / t if t else 0.0
+                for (_, accepted), t in zip(expected, seconds, strict=True)
             ]
-            best = max(range(last + 1), key=lambda k: (rates[k], -k))  # ties: fewer
+            best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))  # ties: fewer
             choice = Choice(best, rates[best])
             if best == 0 and self._steps_since_drafts >= self.probe_interval(
                 num_tokens, num_drafting, expected[1][0]
@@ -268,6 +314,9 @@ class SpeculationPolicy:
         p, a = self.acceptance.rates()
         return {
             "step_s_by_tokens": {k: self.costs.estimate(k) for k in self.costs._keys},
+            "sync_step_s_by_tokens": {
+                k: self.sync_costs.estimate(k) for k in self.sync_costs._keys
+            },
             "proposal_rates": p,
             "acceptance_rates": a,
             "steps_by_k": list(self.chosen),
@@ -280,8 +329,8 @@ class SpeculationPolicy:
         before it loses its overlap too (a proposal waits for the step in flight). Counted
         once, the 1% budget cost 2.5% at batch 64 (Llama-3-8B shape, zero-acceptance replay,
         H200, 9002030: 0.975x of plain decode)."""
-        base = self.costs.estimate(num_tokens) or 0.0
-        probe = self.costs.estimate(num_tokens + num_drafting * drafted) or base
+        base = self.seconds(num_tokens, overlapped=True) or 0.0
+        probe = self.seconds(num_tokens + num_drafting * drafted, overlapped=False) or base
         if base <= 0:
             return 8
         extra = 2 * max(probe - base, 0.0) / base

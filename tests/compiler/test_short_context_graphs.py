@@ -213,6 +213,30 @@ def test_a_verification_step_replays_as_one_token_rows():
     assert bounded.seq_lens[:2].tolist() == [40, 160]
 
 
+def test_a_head_follows_the_graph_its_step_replayed():
+    # Head graphs (the lm_head and argmax after the model) on the small graphs but the
+    # prefill ones; a step replays the head of the graph it ran, and none after a step that
+    # ran no graph.
+    runner, replayed = _runner({1: 10, 4: 10}, prefill={4: 2}, sizes=(1, 4, 8))
+    assert runner.head_keys(4) == [(4, None, None), (4, 10, None), (1, None, None), (1, 10, None)]
+    for key in runner.head_keys(4):
+        logits = torch.full((key[0], 3), float(key[0]))
+        runner.heads[key] = (_Graph(replayed, ("head", *key)), logits, torch.arange(key[0]))
+    assert runner.replay_head(1) is None  # nothing replayed yet
+    ids = torch.tensor([5, 6, 7])
+    runner.run(ids, ids, _meta([150, 3, 160], 10))
+    logits, tokens = runner.replay_head(3)
+    assert replayed[-2:] == [(4, 10, None), ("head", 4, 10, None)]
+    assert logits.shape == (3, 3) and logits[0, 0].item() == 4 and tokens.tolist() == [0, 1, 2]
+    eight, meta = torch.arange(8), _meta([9] * 4, 2)
+    meta.slot_mapping, meta.query_start_loc = eight, torch.arange(0, 9, 2, dtype=torch.int32)
+    runner.run(eight, eight, meta)  # the 8-token graph: no head
+    assert replayed[-1] == (8, None, None) and runner.replay_head(8) is None
+    wide = torch.arange(9)
+    assert runner.run(wide, wide, _meta([9] * 4, 2)) is None  # no graph fits
+    assert runner.last_key is None and runner.replay_head(9) is None
+
+
 def _prefill_from(tokens: int) -> KernelConfig:
     return KernelConfig.coerce({"attention": {"prefill_graph_min_tokens": tokens}})
 

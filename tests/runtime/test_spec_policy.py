@@ -102,14 +102,47 @@ def test_a_large_batch_whose_step_grows_with_tokens_takes_none():
 def test_unknown_sizes_are_timed_without_drafts_first():
     policy = SpeculationPolicy(4)
     assert policy.choose(1, 1, 1).k == 0  # nothing timed: a plain step first
-    # Optimistic where not timed, explored upward: one more draft a step while it pays. A
-    # count's first step is not kept (first-use costs): a size is known at its second.
-    for k in range(5):
-        policy.observe_step(1 + k, 0.004, drafted=False)
-        assert not policy.costs.known(1 + k)
-        policy.observe_step(1 + k, 0.004, drafted=False)
-        assert policy.choose(1, 1, 1).k == min(k + 1, 4)
+    policy.observe_step(1, 0.004, drafted=False)
+    assert not policy.known(1)  # a count's first step is not kept (first-use costs)
+    policy.observe_step(1, 0.004, drafted=False)
+    # Optimistic where not timed (a larger count costs what the nearest timed one does):
+    # every k is judged, so the largest is tried at once.
+    assert policy.choose(1, 1, 1).k == 4
+    # Timed dear, it gives way to the next best not yet known, and so on down.
+    for _ in range(2):
+        policy.observe_step(5, 0.040, drafted=True, overlapped=False)
+    assert policy.choose(1, 1, 1).k == 3
     assert policy.choose(3, 3, 0).k == 0  # nobody can draft
+
+
+def test_one_drafting_row_is_costed_over_its_draft_count():
+    """SmolLM2 on the H200 (c7aa8bd's record): a 1-token step 0.85 ms overlapped and 1.2 ms
+    not, 2-7 tokens ~1.75 ms, proposals found 52% of the time. At batch 1 a step has no
+    draft or six: its expected time is 0.48 * 1.2 + 0.52 * 1.75 ms, and k = 6 wins; priced
+    at its mean count (4.1 tokens: 1.75 ms) every k lost to plain decode."""
+    policy = SpeculationPolicy(6)
+    for _ in range(3):
+        policy.observe_step(1, 0.00085, drafted=False)
+        policy.observe_step(1, 0.0012, drafted=False, overlapped=False)
+        for t in range(2, 8):
+            policy.observe_step(t, 0.00175, drafted=True, overlapped=False)
+    acc = policy.acceptance
+    rates = [0.54, 0.85, 0.75, 0.68, 0.63, 0.74]
+    rows = 10_000  # the priors' pull is negligible
+    survive = 1.0
+    for i, rate in enumerate(rates):
+        acc.asked[i], acc.proposed[i] = rows, 0.52 * rows
+        acc.offered[i], acc.accepted[i] = rows * survive, rows * survive * rate
+        survive *= rate
+    choice = policy.choose(1, 1, 1)
+    accepted, survive = 0.0, 1.0
+    for rate in rates:
+        survive *= rate
+        accepted += 0.52 * survive
+    by_hand = (1 + accepted) / (0.48 * 0.0012 + 0.52 * 0.00175)
+    assert choice.k == 6 and choice.tokens_per_s == pytest.approx(by_hand, rel=1e-3)
+    assert by_hand > 1 / 0.00085  # faster than plain decode
+    assert (1 + accepted) / 0.00175 < 1 / 0.00085  # which the mean count's time hid
 
 
 def test_a_first_step_stall_does_not_price_a_k_out():

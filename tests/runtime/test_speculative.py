@@ -290,6 +290,32 @@ def test_max_tokens_is_exact_when_every_draft_is_accepted(llama):
     assert stats.spec_accepted_per_pos[3] > 0  # four drafts accepted at once
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_verified_steps_text_comes_with_the_next_launch(llama, async_scheduling):
+    """A step processed at once (speculation) hands its tokens to the scheduler at once, so
+    the next step proposes and launches from them, and its text and outputs in the next
+    call, after that launch; stepping synchronously, in its own call. Tokens as HF's."""
+    directory, hf_model = llama
+    spec = dict(method="draft_model", model=str(directory), num_speculative_tokens=3, **ALWAYS)
+    llm = eager(directory, speculative_config=spec, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompt = spec_prompts(hf_model.config.vocab_size, seed=5)[0]
+    want = _hf(hf_model, [prompt], 9)[0]
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    request = engine.scheduler.requests["r"]
+    seen, lag = [], []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        delivered = outs[0].outputs[0].token_ids if outs else seen
+        lag.append(len(request.output_token_ids) - len(delivered))
+        seen = delivered
+    assert seen == want
+    if async_scheduling:
+        assert max(lag) > 0  # the scheduler holds a verified step's tokens a call early
+    else:
+        assert lag[1:] == [0] * (len(lag) - 1)
+
+
 def test_n2_penalties_min_tokens_and_logprobs_equal_non_speculative(llama):
     directory, hf_model = llama
     prompts = spec_prompts(hf_model.config.vocab_size, seed=5)
