@@ -487,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in batch_sizes:  # issue 29's recorded keys: int4_decode_bs1_tok_s, ...
             key = f"int{quant.scheme.bits}_decode_bs{b}_tok_s"
             payload[key] = payload[f"decode_bs{b}_tok_s"]
+    if device.type == "cuda" and quant is not None and quant.scheme.weight == "fp8_e4m3":
+        for b in batch_sizes:  # issue 28's: fp8_decode_bs1_tok_s, ...
+            payload[f"fp8_decode_bs{b}_tok_s"] = payload[f"decode_bs{b}_tok_s"]
     path = write_result(args.name, payload, args.results_dir, device=device.type)
     print_latency(payload)
     print(f"wrote {path}")
