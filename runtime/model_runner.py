@@ -467,16 +467,18 @@ class ModelRunner:
         return self.forward(ids, pos, self.kv_caches, meta)
 
     def _input_ids(self, inputs: PreparedInputs, previous: InFlightStep | None) -> torch.Tensor:
-        """The step's token ids on the device, pending ones read from the previous step's
-        sampled tokens there: the host never waits for them."""
+        """The step's token ids: on the host when all are known, else on the device, pending
+        ones read from the previous step's sampled tokens there (the host never waits)."""
         if inputs.pending and _all_pending_in_order(inputs, previous):
             # A decode step of exactly the requests the step ahead sampled, in its row order:
             # its ids are that step's tokens as they are, with no index copies or gathers (each
             # a separate device operation between two steps' graphs).
             return previous.token_ids
-        ids = inputs.input_ids.to(self.device, non_blocking=True)
         if not inputs.pending:
-            return ids
+            # The CUDA graphs stage host ids with the step's other inputs (one copy); the
+            # eager forward copies them itself.
+            return inputs.input_ids
+        ids = inputs.input_ids.to(self.device, non_blocking=True)
         if previous is None or previous.token_ids is None:
             raise RuntimeError("a step has pending tokens but no step in flight samples them")
         rows = {r.request_id: i for i, r in enumerate(previous.sampling)}

@@ -85,6 +85,7 @@ class Request:
     spec_window_accepted: int = 0
     spec_disabled: bool = False
     spec_steps_without_drafts: int = 0  # consecutive proposals that found nothing
+    spec_idle: bool = False  # disabled for want of n-gram matches (looked up again each step)
     # The stop token id (stop_token_ids), the stop string (found by the engine), or None.
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(init=False)

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from compile_engine.compiler import cuda_graphs
 from compile_engine.compiler.cuda_graphs import CUDAGraphRunner, prefill_rows, short_table_widths
 from compile_engine.kernels_generated import paged_attention as pa
 from compile_engine.kernels_generated import tuning
@@ -160,6 +161,26 @@ def test_replay_inputs_fill_the_buffers_with_the_padding():
     assert runner.seq_lens.tolist() == [150, 3, 160, 0]
     assert runner.query_start_loc.tolist() == [0, 1, 2, 3, 3]
     assert torch.equal(runner.block_tables[:3, :10], meta.block_tables)
+
+
+@pytest.mark.parametrize("staged_table_bytes", [64 << 10, 0])
+def test_consecutive_steps_refill_the_staging_in_turn(monkeypatch, staged_table_bytes):
+    # Two host stagings taken in turn, each step's values whole in the buffers; the block
+    # table staged while small, copied as its used columns otherwise.
+    monkeypatch.setattr(cuda_graphs, "STAGED_TABLE_BYTES", staged_table_bytes)
+    runner, _ = _runner({})
+    assert runner._stages[0].table_rows == (4 if staged_table_bytes else 1)
+    for step, lens in enumerate(([150, 3, 160], [20], [7, 8])):
+        meta = _meta(lens, 10 - step)
+        meta.slot_mapping = torch.arange(len(lens)) + 10 * step
+        ids = torch.arange(len(lens)) + 100 * step
+        runner.run(ids, ids + 1, meta)
+        n = len(lens)
+        assert runner.input_ids[:n].tolist() == ids.tolist()
+        assert runner.positions[:n].tolist() == (ids + 1).tolist()
+        assert runner.seq_lens.tolist() == lens + [0] * (4 - n)
+        assert runner.query_start_loc.tolist() == list(range(n + 1)) + [n] * (4 - n)
+        assert torch.equal(runner.block_tables[:n, : 10 - step], meta.block_tables)
 
 
 def test_the_cuda_policy_gives_the_one_token_graph_a_short_table(monkeypatch):

@@ -96,6 +96,27 @@ def test_ngram_lookup_takes_the_most_recent_longest_match():
     assert ngram_lookup(np.array([4]), 1, 3, 4) == []
 
 
+def _windows_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, every window compared: the reference of ngram_lookup's candidates."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def test_ngram_lookup_equals_comparing_every_window():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 50)))
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 8))
+        assert ngram_lookup(tokens, min_n, max_n, k) == _windows_lookup(tokens, min_n, max_n, k)
+
+
 def test_the_speculator_proposes_only_for_requests_that_can_take_drafts():
     from compile_engine.runtime.request import Request
     from compile_engine.runtime.speculative import NgramProposer, Speculator
@@ -129,7 +150,18 @@ def test_the_speculator_proposes_only_for_requests_that_can_take_drafts():
     for _ in range(16):
         assert not lonely.spec_disabled
         speculator.propose([lonely])
-    assert lonely.spec_disabled and not lonely.spec_token_ids
+    assert lonely.spec_disabled and lonely.spec_idle and not lonely.spec_token_ids
+    # Idle, it steps with a token in flight; its known tokens are looked up each step, and
+    # a match makes it ask again.
+    lonely.num_pending_tokens = 1
+    speculator.propose([lonely])
+    assert lonely.spec_idle  # 1..6 still has nothing to look up
+    lonely.all_token_ids.append(4)  # ... 4, 5, 6, 4: the 4 continues 5, 6
+    speculator.propose([lonely])
+    assert not (lonely.spec_idle or lonely.spec_disabled or lonely.spec_token_ids)
+    lonely.num_pending_tokens, lonely.num_computed_tokens = 0, len(lonely.all_token_ids) - 1
+    speculator.propose([lonely])
+    assert lonely.spec_token_ids == [5, 6, 4]
 
 
 # -- the rejection sampler's distribution -----------------------------------------------------
