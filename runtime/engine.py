@@ -186,6 +186,7 @@ class LLMEngine:
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
+        landed = previous is not None  # this call lands the step ahead
         undelivered, self._undelivered = self._undelivered, None
         k = self._num_drafts  # chosen at the end of the last step (runtime/spec_policy.py)
         if previous is not None and not self._overlap(k):
@@ -223,11 +224,15 @@ class LLMEngine:
                 self._num_drafts = self._choose_drafts()
         elapsed = time.perf_counter() - started
         if self.spec_policy is not None and launched is not None:
+            # A call's time is one step's when it landed the step ahead and left its own in
+            # flight, or did neither; a change of mode lands two steps or none (not timed).
+            overlapped = self._in_flight is not None
+            one_step = overlapped == landed
             self.spec_policy.observe_step(
                 step.num_batched_tokens,
-                elapsed,
+                elapsed if one_step else 0.0,
                 launched.spec is not None,
-                overlapped=self._in_flight is not None,
+                overlapped=overlapped,
             )
         self.runner.counters.busy_s += elapsed
         return outputs

@@ -420,6 +420,38 @@ def test_k_chosen_per_step_keeps_greedy_exact(llama):
         assert policy.seen == {0, 1, 2, 3, 4}
 
 
+def test_the_policy_times_calls_that_landed_one_step(llama):
+    """k cycling 0..4 switches between asynchronous steps and verified ones every call: a
+    call that lands two steps (the one ahead, then its own) or none (its own left in flight)
+    is not a step's cost; the policy times only calls that landed one."""
+    directory, hf_model = llama
+    spec = dict(method="draft_model", model=str(directory), num_speculative_tokens=4)
+    llm = eager(directory, speculative_config=spec)
+    engine = llm.engine
+    engine.spec_policy = policy = _CyclingPolicy(4)
+    landed, timed = [0], []
+    collect, observe = engine.runner.collect, policy.observe_step
+
+    def counting(flight):
+        landed[0] += 1
+        return collect(flight)
+
+    def recording(num_tokens, seconds, drafted, overlapped=True):
+        timed.append((landed[0], seconds > 0))
+        observe(num_tokens, seconds, drafted, overlapped)
+
+    engine.runner.collect, policy.observe_step = counting, recording
+    prompts = spec_prompts(hf_model.config.vocab_size, seed=9)[:3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        landed[0] = 0
+        engine.step()
+    assert {n for n, _ in timed} == {0, 1, 2}
+    assert all(was_timed == (n == 1) for n, was_timed in timed)
+
+
 @pytest.fixture(scope="module")
 def byte_llama(tmp_path_factory):
     """A tiny Llama of 300 tokens with a byte-level BPE tokenizer: text, stop strings and
