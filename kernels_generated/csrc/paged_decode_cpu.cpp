@@ -33,12 +33,41 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+typedef int32_t vi __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define CE_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define CE_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define CE_SHUFFLE(v, ...) __builtin_shuffle(v, vi{__VA_ARGS__})
+#define CE_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+// The sum of a vector's lanes, its halves folded onto each other (four shuffles and adds; the
+// sum of sixteen lanes one at a time was half of a row's attention time).
 inline float hsum(vf v) {
-  float s[16];
-  std::memcpy(s, &v, sizeof(v));
-  float a = 0.0f;
-  for (int i = 0; i < 16; ++i) a += s[i];
-  return a;
+  v += CE_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += CE_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += CE_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += CE_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// The lane sums of four vectors at once, in lanes 0, 4, 8 and 12 of the result: their halves
+// folded pairwise, then quarters, then within each group of four (ten shuffles and seven
+// adds where four hsums take sixteen and sixteen).
+inline vf hsum4(vf a, vf b, vf c, vf d) {
+  // [a0-7 + a8-15 | b0-7 + b8-15], the same of c and d.
+  vf ab = CE_SHUFFLE2(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+          CE_SHUFFLE2(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  vf cd = CE_SHUFFLE2(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+          CE_SHUFFLE2(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // Four lanes a vector: [a | b | c | d].
+  vf abcd = CE_SHUFFLE2(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            CE_SHUFFLE2(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  abcd += CE_SHUFFLE(abcd, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  abcd += CE_SHUFFLE(abcd, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return abcd;
 }
 
 // e^x for x <= 0 (a score less its row's max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
@@ -71,8 +100,25 @@ void decode_task(const float* qh, const float* kp, const float* vp, const int32_
     for (int j = 0; j < NV; ++j) q[g][j] = load(qh + g * D + 16 * j);
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < L; ++l) {
-    const float* k = kp + (table[l / bs] * bs + l % bs) * key_stride + head_offset;
+  auto key = [&](int64_t l) { return kp + (table[l / bs] * bs + l % bs) * key_stride + head_offset; };
+  int64_t l = 0;
+  for (; l + 4 <= L; l += 4) {  // four keys a pass: their products' lane sums at once
+    const float* k[4] = {key(l), key(l + 1), key(l + 2), key(l + 3)};
+    for (int g = 0; g < G; ++g) {
+      vf p[4];
+      for (int i = 0; i < 4; ++i) {
+        p[i] = q[g][0] * load(k[i]);
+        for (int j = 1; j < NV; ++j) p[i] += q[g][j] * load(k[i] + 16 * j);
+      }
+      const vf s = hsum4(p[0], p[1], p[2], p[3]) * sc;
+      for (int i = 0; i < 4; ++i) {
+        scores[g * L + l + i] = s[4 * i];
+        top[g] = std::max(top[g], s[4 * i]);
+      }
+    }
+  }
+  for (; l < L; ++l) {
+    const float* k = key(l);
     vf kv[NV];
     for (int j = 0; j < NV; ++j) kv[j] = load(k + 16 * j);
     for (int g = 0; g < G; ++g) {
