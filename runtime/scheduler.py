@@ -439,7 +439,10 @@ class Scheduler:
         self.spec_num_accepted += num_accepted
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
-        request.spec_window_offered += num_drafts
+        # The drafts the target judged: those accepted and the first it rejected (the ones
+        # after it were never compared), so that the rate is a draft's acceptance whatever k
+        # is: at k = 6, one draft accepted a step is 1 of 2 judged, not 1 of 6 offered.
+        request.spec_window_offered += min(num_drafts, num_accepted + 1)
         request.spec_window_accepted += num_accepted
         cfg = self.config
         if request.spec_window_offered >= cfg.acceptance_window:

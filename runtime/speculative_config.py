@@ -42,7 +42,8 @@ class SpeculativeConfig:
     model: str | None = None
     enforce_eager: bool | None = None
     # Ours (vLLM has none): a request whose drafts were accepted at less than this rate, once
-    # it has been offered `acceptance_window` draft tokens, proposes nothing more, so that a
+    # the target has judged `acceptance_window` of its draft tokens (those accepted and the
+    # first rejected of each verification), proposes nothing more, so that a
     # request speculation does not help costs what it costs without speculation; so does one
     # whose proposer found nothing `acceptance_window` steps in a row (no n-gram match), so
     # that the engine can step asynchronously again.

@@ -452,7 +452,13 @@ def test_low_acceptance_turns_a_requests_proposals_off() -> None:
     sched.add_request(a)
     decode_until_running(sched, a)
     assert sched.speculating()
-    for _ in range(2):
+    # A window counts the drafts the target judged: four drafts and none accepted are one
+    # judged (the rest were never compared), one accepted of four is two.
+    for accepted in ([5], [], [5], []):
+        a.spec_token_ids = [5, 6, 7, 8]
+        sched.update_from_output(sched.schedule(), {"a": [*accepted, 9]})
+    assert not a.spec_disabled and a.spec_window_offered == 6 and a.spec_window_accepted == 2
+    for _ in range(2):  # 8 judged, 2 accepted: a rate of 0.25, under 0.5
         a.spec_token_ids = [5, 6, 7, 8]
         sched.update_from_output(sched.schedule(), {"a": [9]})
     assert a.spec_disabled and not sched.speculating()
