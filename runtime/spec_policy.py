@@ -229,13 +229,9 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------
 
-    def expected(
-        self, p: list[float] | None = None, a: list[float] | None = None
-    ) -> list[tuple[float, float]]:
+    def expected(self, p: list[float], a: list[float]) -> list[tuple[float, float]]:
         """(drafted(k), accepted(k)) of one drafting row, for k = 0..num_speculative_tokens,
-        from the rates (p_i, a_i) given or the acceptance's."""
-        if p is None or a is None:
-            p, a = self.acceptance.rates()
+        from the proposal and acceptance rates (p_i, a_i: `Acceptance.rates`)."""
         table = [(0.0, 0.0)]
         drafted = accepted = 0.0
         survive = 1.0
@@ -291,8 +287,8 @@ class SpeculationPolicy:
             # A step without drafts at this size is timed first: every k is judged against it.
             choice = Choice(0, 0.0)
         else:
-            proposed, survival = self.acceptance.rates()
-            expected = self.expected(proposed, survival)
+            proposed, accepting = self.acceptance.rates()
+            expected = self.expected(proposed, accepting)
             seconds = self.step_seconds(num_tokens, num_drafting, proposed)
             # Expected emitted tokens per second at each k.
             rates = [
