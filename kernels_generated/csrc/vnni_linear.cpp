@@ -43,6 +43,24 @@ constexpr int64_t kRows = 16;  // output rows a vector (16 int32 lanes)
 
 constexpr float kLevels = 32512.0f;  // 127 * 256
 
+// The block a thread computes next, prefetched a group at a time while this one computes (null:
+// none). Without it the loads waited on memory: SmolLM2's linears at 16 rows took 14.3 ms a
+// step on the 2-core EPYC, 7.8 with it (8 rows 10.3 -> 5.6; the numbers bit-equal).
+struct Ahead {
+  const uint8_t* w;
+  const float* sm;
+};
+
+template <int BITS>
+inline void prefetch_group(const Ahead& ahead, int64_t g) {
+  if (ahead.w == nullptr) return;
+  const char* w = reinterpret_cast<const char*>(ahead.w + g * (BITS == 4 ? 256 : 512));
+  for (int j = 0; j < (BITS == 4 ? 4 : 8); ++j) _mm_prefetch(w + 64 * j, _MM_HINT_T0);
+  const char* sm = reinterpret_cast<const char*>(ahead.sm + g * 32);
+  _mm_prefetch(sm, _MM_HINT_T0);
+  _mm_prefetch(sm + 64, _MM_HINT_T0);
+}
+
 #if defined(CE_VNNI_AVX2)
 constexpr int kRowTile = 4;  // activation rows a weight load serves (8 int32 sums)
 
@@ -102,7 +120,7 @@ void quantize_groups(const float* x, int64_t T, int64_t K, const Activations& ac
 // bits, each 32-bit lane is 2 codes of one row, times the same 2 activations (a broadcast of 4).
 template <int BITS, int TT>
 inline void block_rows(const uint8_t* w, const float* sm, const Activations& act, int64_t t0,
-                       int64_t K, int64_t N, int64_t n0, float* y) {
+                       int64_t K, int64_t N, int64_t n0, float* y, const Ahead& ahead) {
   const int16_t* xq = act.xq;
   const float* dx = act.dx;
   const float* xs = act.xs;
@@ -111,6 +129,7 @@ inline void block_rows(const uint8_t* w, const float* sm, const Activations& act
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi16(0x0F);
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_group<BITS>(ahead, g);
     for (int h = 0; h < 2; ++h) {
       __m256i sum[TT][2];
       for (int i = 0; i < TT; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
@@ -223,7 +242,7 @@ inline __m512i bcast4(const int8_t* p) {
 // in the high ones (k = 8p); bits 8: 8 vectors, lane j's dword = codes k..k+3 (k = 4p).
 template <int BITS, int TT>
 inline void block_rows(const uint8_t* w, const float* sm, const Activations& act, int64_t t0,
-                       int64_t K, int64_t N, int64_t n0, float* y) {
+                       int64_t K, int64_t N, int64_t n0, float* y, const Ahead& ahead) {
   const int8_t* hi = act.hi;
   const int8_t* lo = act.lo;
   const float* dx = act.dx;
@@ -233,6 +252,7 @@ inline void block_rows(const uint8_t* w, const float* sm, const Activations& act
   for (int i = 0; i < TT; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_group<BITS>(ahead, g);
     __m512i wv[8];
     if constexpr (BITS == 4) {
       const uint8_t* wg = w + g * 256;
@@ -276,12 +296,12 @@ inline void block_rows(const uint8_t* w, const float* sm, const Activations& act
 // kRowTile activation rows a call, then the rest in one call of its size.
 template <int BITS, int TT>
 inline void tail_rows(int64_t left, const uint8_t* w, const float* sm, const Activations& a,
-                      int64_t t0, int64_t K, int64_t N, int64_t n0, float* y) {
+                      int64_t t0, int64_t K, int64_t N, int64_t n0, float* y, const Ahead& ahead) {
   if constexpr (TT > 0) {
     if (left == TT)
-      block_rows<BITS, TT>(w, sm, a, t0, K, N, n0, y);
+      block_rows<BITS, TT>(w, sm, a, t0, K, N, n0, y, ahead);
     else
-      tail_rows<BITS, TT - 1>(left, w, sm, a, t0, K, N, n0, y);
+      tail_rows<BITS, TT - 1>(left, w, sm, a, t0, K, N, n0, y, ahead);
   }
 }
 
@@ -295,10 +315,14 @@ void gemm(const Activations& a, int64_t T, int64_t K, const uint8_t* w, const fl
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * wblock;
       const float* sb = sm + b * G * 32;
+      // The first pass over this block's codes fetches the next block's; later passes (more
+      // rows) find this block in cache.
+      const Ahead next = b + 1 < b1 ? Ahead{wb + wblock, sb + G * 32} : Ahead{nullptr, nullptr};
+      const Ahead none{nullptr, nullptr};
       int64_t t = 0;
       for (; t + kRowTile <= T; t += kRowTile)
-        block_rows<BITS, kRowTile>(wb, sb, a, t, K, N, b * kRows, y);
-      tail_rows<BITS, kRowTile - 1>(T - t, wb, sb, a, t, K, N, b * kRows, y);
+        block_rows<BITS, kRowTile>(wb, sb, a, t, K, N, b * kRows, y, t == 0 ? next : none);
+      tail_rows<BITS, kRowTile - 1>(T - t, wb, sb, a, t, K, N, b * kRows, y, t == 0 ? next : none);
     }
   });
 }
