@@ -13,7 +13,9 @@ group of 32, matmul in float32), which it matches but for the order floats are a
 Why ours: ATen's CPU int4 GEMM dequantizes to bfloat16 and runs float FMAs, and per row. One
 SmolLM2 layer's four linears on the 2-core EPYC (Zen 4, min of 5 x 50 calls, us) at 1 / 16
 rows: ATen int4 124 / 746, this kernel 64 / 394; the [49152, 576] Q8_0 lm_head 1,037 / 5,874
-here against 10.6 ms a 16-row step in the compiled Inductor form it replaces.
+here against 10.6 ms a 16-row step in the compiled Inductor form it replaces. A step's 30 layers
+of codes and scales (90 MB) do not stay in cache, so each thread prefetches the block it computes
+next while it computes this one: 16 rows went from 14-18 to 7.5-11 ms a step of linears there.
 """
 
 from __future__ import annotations
